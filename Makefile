@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`.
+# Each creates or updates the virtual environment itself.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODELS ?= ../shared/models
+
+.PHONY: demo test lint conformance clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kiln inspect $(MODELS)/resnet18.onnx --groups
+	$(BIN)/kiln verify $(MODELS)/encoder4.onnx
+	$(BIN)/kiln verify $(MODELS)/mlp.onnx --shape x=4,784
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+conformance: $(STAMP)
+	$(BIN)/python -m tests.conformance.run_suite
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Kiln api package (filled by later issues)."""

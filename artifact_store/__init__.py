@@ -1,0 +1,1 @@
+"""Kiln artifact store package (filled by later issues)."""

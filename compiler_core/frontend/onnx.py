@@ -1,0 +1,455 @@
+"""ONNX model -> graph IR.
+
+`load_model` reads and validates the file (size checks happen before any tensor is
+materialized); `import_model` converts every node with the opset-versioned converter table in
+`onnx_ops`, gives every value a concrete type, and propagates small known values so that the
+exporter's shape arithmetic (Shape -> Gather -> Concat -> Reshape) resolves to static
+attributes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import TensorProto, numpy_helper
+
+from compiler_core.graph.ir import DTYPES, Graph, NameGenerator, Node, TensorType
+from compiler_core.graph.ops import OP_TABLE
+from compiler_core.graph.ops.base import ShapeError
+
+# 11 is the floor the product promises; older models import where their operators' semantics
+# are converted (the ONNX model zoo's opset-9 graphs are).
+MIN_OPSET = 7
+MAX_OPSET = onnx.defs.onnx_opset_version()
+DEFAULT_DOMAINS = ("", "ai.onnx")
+# Values up to this many elements are evaluated during import when their inputs are known;
+# that is what resolves shape arithmetic. Larger ones are left to constant folding.
+PROPAGATE_LIMIT = 1 << 16
+# A single tensor larger than this is refused: protects against absurd declared sizes.
+MAX_TENSOR_BYTES = 8 << 30
+
+ONNX_TO_NUMPY = {
+    TensorProto.FLOAT: "float32",
+    TensorProto.DOUBLE: "float64",
+    TensorProto.FLOAT16: "float16",
+    TensorProto.INT8: "int8",
+    TensorProto.INT16: "int16",
+    TensorProto.INT32: "int32",
+    TensorProto.INT64: "int64",
+    TensorProto.UINT8: "uint8",
+    TensorProto.UINT16: "uint16",
+    TensorProto.UINT32: "uint32",
+    TensorProto.UINT64: "uint64",
+    TensorProto.BOOL: "bool",
+}
+NUMPY_TO_ONNX = {v: k for k, v in ONNX_TO_NUMPY.items()}
+
+
+class KilnImportError(ValueError):
+    """Base of every error the frontend raises; the message says what to fix."""
+
+
+class ModelFormatError(KilnImportError):
+    """The bytes are not a valid ONNX model (truncated, corrupt, inconsistent tensors)."""
+
+
+class UnsupportedError(KilnImportError):
+    """An operator, attribute, opset or type Kiln does not handle."""
+
+
+class ShapeBindingError(KilnImportError):
+    """An input has a symbolic dimension that no `shapes=` entry binds."""
+
+
+class NotConstantError(KilnImportError):
+    """A shape-deciding operand is not known at compile time."""
+
+    def __init__(self, message: str, value: str):
+        super().__init__(message)
+        self.value = value
+
+
+def onnx_dtype_name(elem_type: int) -> str:
+    try:
+        return ONNX_TO_NUMPY[elem_type]
+    except KeyError:
+        name = TensorProto.DataType.Name(elem_type) if elem_type else "UNDEFINED"
+        raise UnsupportedError(f"element type {name} is not supported") from None
+
+
+# --- loading and validation ------------------------------------------------------------------
+
+
+def load_model(source: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
+    """Parse and validate an ONNX model; external data is read only from inside its folder."""
+    if isinstance(source, onnx.ModelProto):
+        model, base_dir = source, None
+    elif isinstance(source, (bytes, bytearray)):
+        model, base_dir = _parse(bytes(source), "<bytes>"), None
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"no ONNX model at {str(path)!r}")
+        model, base_dir = _parse(path.read_bytes(), str(path)), path.resolve().parent
+    _check_structure(model)
+    for tensor in _all_tensors(model.graph):
+        _check_tensor_size(tensor, base_dir)
+    _load_external_data(model, base_dir)
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as err:
+        raise ModelFormatError(f"ONNX checker rejected the model: {_first_line(err)}") from None
+    return model
+
+
+def _parse(data: bytes, origin: str) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as err:
+        raise ModelFormatError(
+            f"{origin} is not a valid ONNX model (malformed or truncated protobuf: {err})"
+        ) from None
+    return model
+
+
+def _check_structure(model: onnx.ModelProto) -> None:
+    if not model.HasField("graph") or (
+        not model.graph.node and not model.graph.output and not model.graph.input
+    ):
+        raise ModelFormatError("the file holds no ONNX graph (malformed or truncated model)")
+    if model.ir_version <= 0:
+        raise ModelFormatError("the model has no IR version (malformed or truncated model)")
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _all_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _all_tensors(sub)
+
+
+def _declared_nbytes(tensor: TensorProto) -> int:
+    dims = list(tensor.dims)
+    if any(d < 0 for d in dims):
+        raise ModelFormatError(f"tensor {tensor.name!r} has a negative dimension {dims}")
+    count = int(np.prod(dims, dtype=np.float64)) if dims else 1
+    itemsize = np.dtype(ONNX_TO_NUMPY.get(tensor.data_type, "uint8")).itemsize
+    return count * itemsize
+
+
+def _element_count(tensor: TensorProto) -> int:
+    return int(np.prod(list(tensor.dims), dtype=np.float64)) if tensor.dims else 1
+
+
+def _check_tensor_size(tensor: TensorProto, base_dir: Path | None) -> None:
+    """Refuse a tensor whose bytes do not match its declared shape, before allocating it."""
+    nbytes = _declared_nbytes(tensor)
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ModelFormatError(f"tensor {tensor.name!r} declares {nbytes} bytes, over the limit")
+    if tensor.data_location == TensorProto.EXTERNAL:
+        _external_location(tensor, base_dir, nbytes)
+        return
+    if tensor.data_type not in ONNX_TO_NUMPY:
+        return  # unsupported types are reported where they are used
+    if tensor.HasField("raw_data"):
+        if len(tensor.raw_data) != nbytes:
+            raise ModelFormatError(
+                f"tensor {tensor.name!r} declares shape {list(tensor.dims)} "
+                f"({nbytes} bytes) but holds {len(tensor.raw_data)} bytes"
+            )
+        return
+    # Typed storage (float_data, int32_data, ...) keeps one element per slot.
+    field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
+    held = len(getattr(tensor, field))
+    expected = _element_count(tensor)
+    if held != expected:
+        raise ModelFormatError(
+            f"tensor {tensor.name!r} declares shape {list(tensor.dims)} ({expected} elements) "
+            f"but holds {held}"
+        )
+
+
+def _external_location(tensor: TensorProto, base_dir: Path | None, nbytes: int):
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    location = info.get("location", "")
+    if base_dir is None:
+        raise ModelFormatError(
+            f"tensor {tensor.name!r} uses external data but the model was not loaded from a file"
+        )
+    candidate = Path(location)
+    resolved = (base_dir / candidate).resolve()
+    if not location or candidate.is_absolute() or not resolved.is_relative_to(base_dir):
+        raise ModelFormatError(
+            f"tensor {tensor.name!r}: external data location {location!r} points outside "
+            f"the model's folder {str(base_dir)!r}; refused"
+        )
+    if not resolved.is_file():
+        raise ModelFormatError(f"tensor {tensor.name!r}: external data file {location!r} missing")
+    offset = int(info.get("offset", 0))
+    length = int(info.get("length", nbytes))
+    if length != nbytes:
+        raise ModelFormatError(
+            f"tensor {tensor.name!r}: external data length {length} does not match the "
+            f"declared {nbytes} bytes"
+        )
+    if offset < 0 or offset + length > resolved.stat().st_size:
+        raise ModelFormatError(
+            f"tensor {tensor.name!r}: external data {location!r} is shorter than "
+            f"offset {offset} + length {length}"
+        )
+    return resolved, offset, length
+
+
+def _load_external_data(model: onnx.ModelProto, base_dir: Path | None) -> None:
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        path, offset, length = _external_location(tensor, base_dir, _declared_nbytes(tensor))
+        with open(path, "rb") as f:
+            f.seek(offset)
+            tensor.raw_data = f.read(length)
+        del tensor.external_data[:]
+        tensor.data_location = TensorProto.DEFAULT
+
+
+def tensor_to_array(tensor: TensorProto) -> np.ndarray:
+    onnx_dtype_name(tensor.data_type)  # refuses unsupported element types by name
+    return np.asarray(numpy_helper.to_array(tensor))
+
+
+# --- conversion --------------------------------------------------------------------------------
+
+
+class ImportContext:
+    """What a converter sees: types and known values so far, and where to emit nodes."""
+
+    def __init__(self, opset: int, taken_names: set[str]):
+        self.opset = opset
+        self.types: dict[str, TensorType] = {}
+        self.known: dict[str, np.ndarray] = {}
+        self.constants: dict[str, np.ndarray] = {}
+        self.nodes: list[Node] = []
+        self.fresh = NameGenerator(taken_names)
+        self.current: onnx.NodeProto | None = None
+
+    # queries
+
+    def type(self, value: str) -> TensorType:
+        try:
+            return self.types[value]
+        except KeyError:
+            raise KilnImportError(f"value {value!r} is used before it is defined") from None
+
+    def has_value(self, value: str) -> bool:
+        return value in self.known
+
+    def value(self, value: str, purpose: str) -> np.ndarray:
+        """The compile-time value of an operand that decides shapes."""
+        if value in self.known:
+            return self.known[value]
+        node = self.current
+        where = f"node {node.name!r} ({node.op_type})" if node is not None else "the graph"
+        raise NotConstantError(
+            f"{where}: {purpose} operand {value!r} must be known at compile time "
+            "(a constant, or computable from static shapes); bind it as a constant",
+            value,
+        )
+
+    # emission
+
+    def add_constant(self, array: np.ndarray, prefix: str = "const", name: str | None = None):
+        array = np.asarray(array)
+        if array.dtype.name not in DTYPES:
+            raise UnsupportedError(f"constant of element type {array.dtype} is not supported")
+        name = name or self.fresh(prefix)
+        self.fresh.reserve(name)
+        self.constants[name] = array
+        self.known[name] = array
+        self.types[name] = TensorType.of(array)
+        return name
+
+    def emit(self, op: str, inputs: Sequence[str], outputs: Sequence[str] | int = 1, **attrs):
+        """Append one Kiln node; infer its output types; propagate its value when cheap."""
+        source = self.current
+        if isinstance(outputs, int):
+            outputs = [self.fresh(f"{op.lower()}") for _ in range(outputs)]
+        base = (source.name or source.op_type) if source is not None else op
+        node = Node(op, self.fresh(base), tuple(inputs), tuple(outputs), attrs)
+        in_types = [self.types[i] if i else None for i in node.inputs]
+        out_types = infer_node(node, in_types)
+        for name, typ in zip(node.outputs, out_types, strict=True):
+            if name:
+                self.types[name] = typ
+        self.nodes.append(node)
+        self._propagate(node, out_types)
+        return list(node.outputs) if len(node.outputs) != 1 else node.outputs[0]
+
+    def _propagate(self, node: Node, out_types: Sequence[TensorType]) -> None:
+        opdef = OP_TABLE[node.op]
+        if opdef.from_types is not None:
+            values = opdef.from_types(node, [self.types[i] for i in node.inputs if i])
+        elif all(not i or i in self.known for i in node.inputs) and all(
+            t.size <= PROPAGATE_LIMIT for t in out_types
+        ):
+            inputs = [self.known[i] if i else None for i in node.inputs]
+            with np.errstate(all="ignore"):
+                values = opdef.compute(node, inputs)
+        else:
+            return
+        for name, value in zip(node.outputs, values, strict=True):
+            if name:
+                self.known[name] = np.asarray(value)
+
+
+def infer_node(node: Node, in_types: Sequence[TensorType | None]) -> list[TensorType]:
+    opdef = OP_TABLE.get(node.op)
+    if opdef is None:
+        raise UnsupportedError(f"node {node.name!r}: Kiln has no operator {node.op!r}")
+    try:
+        out_types = list(opdef.infer(node, in_types))
+    except (ShapeError, ValueError, IndexError, TypeError) as err:
+        shown = ", ".join(str(t) for t in in_types)
+        raise ShapeError(
+            f"node {node.name!r} ({node.op}) with inputs ({shown}) has no valid output "
+            f"type: {err}"
+        ) from None
+    if len(out_types) < len(node.outputs):
+        raise ShapeError(f"node {node.name!r} ({node.op}) produces fewer outputs than named")
+    return out_types[: len(node.outputs)]
+
+
+def _input_type(value: onnx.ValueInfoProto, shapes: Mapping[str, Sequence[int]]) -> TensorType:
+    if not value.type.HasField("tensor_type"):
+        kind = value.type.WhichOneof("value")
+        raise UnsupportedError(f"input {value.name!r} is a {kind}; only tensors are supported")
+    tensor_type = value.type.tensor_type
+    dtype = onnx_dtype_name(tensor_type.elem_type)
+    bound = shapes.get(value.name)
+    if not tensor_type.HasField("shape"):
+        if bound is None:
+            raise ShapeBindingError(
+                f"input {value.name!r} has no declared shape; bind it with "
+                f"shapes={{{value.name!r}: [...]}}"
+            )
+        return TensorType(tuple(bound), dtype)
+    dims = tensor_type.shape.dim
+    if bound is not None:
+        bound = tuple(int(d) for d in bound)
+        if len(bound) != len(dims):
+            raise ShapeBindingError(
+                f"input {value.name!r} has rank {len(dims)} but shapes= gives {list(bound)}"
+            )
+        for declared, given in zip(dims, bound, strict=True):
+            if declared.HasField("dim_value") and declared.dim_value != given:
+                raise ShapeBindingError(
+                    f"input {value.name!r} has static shape {_dims_text(dims)} but shapes= "
+                    f"gives {list(bound)}"
+                )
+        return TensorType(bound, dtype)
+    shape = []
+    for i, dim in enumerate(dims):
+        if dim.HasField("dim_value"):
+            shape.append(dim.dim_value)
+        else:
+            label = dim.dim_param or "?"
+            raise ShapeBindingError(
+                f"input {value.name!r} has symbolic dimension {label!r} (axis {i}) in shape "
+                f"{_dims_text(dims)}; bind it with shapes={{{value.name!r}: [...]}}"
+            )
+    return TensorType(tuple(shape), dtype)
+
+
+def _dims_text(dims) -> str:
+    return "[" + ",".join(str(d.dim_value) if d.HasField("dim_value") else d.dim_param or "?" for d in dims) + "]"
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    versions = [op.version for op in model.opset_import if op.domain in DEFAULT_DOMAINS]
+    if not versions:
+        raise UnsupportedError("the model imports no default-domain (ai.onnx) opset")
+    version = max(versions)
+    if not MIN_OPSET <= version <= MAX_OPSET:
+        raise UnsupportedError(
+            f"opset {version} is not supported (Kiln supports ai.onnx opsets "
+            f"{MIN_OPSET}..{MAX_OPSET})"
+        )
+    return version
+
+
+def import_model(
+    source: str | os.PathLike | bytes | onnx.ModelProto,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    constants: Mapping[str, np.ndarray] | None = None,
+) -> Graph:
+    """Convert an ONNX model to a typed graph.
+
+    `shapes` binds input shapes (required for symbolic dims); `constants` binds graph inputs
+    to fixed values (they become constants, as a shape-deciding operand must be).
+    """
+    from compiler_core.frontend.onnx_ops import convert_node
+
+    model = load_model(source)
+    shapes = dict(shapes or {})
+    constants = dict(constants or {})
+    opset = default_opset(model)
+    graph_proto = model.graph
+    taken = {v.name for v in graph_proto.input} | {n.name for n in graph_proto.node}
+    for node in graph_proto.node:
+        taken.update(node.output)
+    ctx = ImportContext(opset, taken)
+
+    for tensor in graph_proto.initializer:
+        ctx.add_constant(tensor_to_array(tensor), name=tensor.name)
+    inputs = []
+    for value in graph_proto.input:
+        if value.name in ctx.constants:
+            continue  # IR < 4 lists initializers as inputs too
+        if value.name in constants:
+            array = np.asarray(constants[value.name])
+            ctx.add_constant(array.astype(_input_type_dtype(value)), name=value.name)
+            continue
+        ctx.types[value.name] = _input_type(value, shapes)
+        inputs.append(value.name)
+
+    for node in graph_proto.node:
+        ctx.current = node
+        if node.domain not in DEFAULT_DOMAINS:
+            raise UnsupportedError(
+                f"node {node.name!r}: operator {node.domain}.{node.op_type} is outside the "
+                "default ONNX domain; not supported"
+            )
+        convert_node(ctx, node)
+    ctx.current = None
+
+    outputs = [v.name for v in graph_proto.output]
+    for name in outputs:
+        if name not in ctx.types:
+            raise ModelFormatError(f"graph output {name!r} is never produced")
+    return Graph(
+        name=graph_proto.name or "model",
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        nodes=tuple(ctx.nodes),
+        types=ctx.types,
+        constants=ctx.constants,
+    ).pruned()
+
+
+def _input_type_dtype(value: onnx.ValueInfoProto) -> str:
+    return onnx_dtype_name(value.type.tensor_type.elem_type)

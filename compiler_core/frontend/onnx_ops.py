@@ -1,0 +1,576 @@
+"""Opset-versioned converters: ONNX node -> Kiln nodes, in one table.
+
+`CONVERTERS[op_type]` maps the opset version where a converter's semantics start to the
+converter. A converter reads the node's attributes through `Attrs`, which remembers what it
+read: an attribute the converter never looked at fails the import (it would be silently
+ignored otherwise). Shape-deciding operands are read with `ctx.value(...)` and become static
+attributes of the Kiln node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import AttributeProto
+
+from compiler_core.frontend.onnx import (
+    ImportContext,
+    UnsupportedError,
+    onnx_dtype_name,
+    tensor_to_array,
+)
+
+Converter = Callable[[ImportContext, onnx.NodeProto, "Attrs"], None]
+INT64_MAX = np.iinfo(np.int64).max
+
+
+class Attrs:
+    """A node's attributes as Python values; records which ones a converter consumed."""
+
+    def __init__(self, node: onnx.NodeProto):
+        self.node = node
+        self._values = {a.name: _attribute_value(node, a) for a in node.attribute}
+        self._read: set[str] = set()
+
+    def get(self, name, default=None):
+        self._read.add(name)
+        return self._values.get(name, default)
+
+    def has(self, name) -> bool:
+        return name in self._values
+
+    def ignore(self, *names) -> None:
+        """Attributes that do not change inference results (seeds, training momentum)."""
+        self._read.update(names)
+
+    def unread(self) -> list[str]:
+        return sorted(set(self._values) - self._read)
+
+
+def _attribute_value(node: onnx.NodeProto, attr: onnx.AttributeProto):
+    if attr.ref_attr_name:
+        raise UnsupportedError(f"node {node.name!r}: attribute references are not supported")
+    if attr.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+        raise UnsupportedError(
+            f"node {node.name!r} ({node.op_type}): subgraph attribute {attr.name!r} "
+            "(control flow) is not supported"
+        )
+    if attr.type == AttributeProto.TENSOR:
+        return tensor_to_array(attr.t)
+    if attr.type == AttributeProto.SPARSE_TENSOR:
+        raise UnsupportedError(f"node {node.name!r}: sparse tensor attributes are not supported")
+    value = onnx.helper.get_attribute_value(attr)
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list):
+        return [v.decode() if isinstance(v, bytes) else v for v in value]
+    return value
+
+
+def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:
+    versions = CONVERTERS.get(node.op_type)
+    if versions is None:
+        raise UnsupportedError(
+            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) is not supported"
+        )
+    eligible = [v for v in versions if v <= ctx.opset]
+    if not eligible:
+        raise UnsupportedError(
+            f"node {node.name!r}: operator {node.op_type} at opset {ctx.opset} is not "
+            f"supported (Kiln converts it from opset {min(versions)})"
+        )
+    attrs = Attrs(node)
+    versions[max(eligible)](ctx, node, attrs)
+    unread = attrs.unread()
+    if unread:
+        raise UnsupportedError(
+            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) attribute(s) "
+            f"{', '.join(unread)} not supported"
+        )
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _inputs(node) -> list[str]:
+    return list(node.input)
+
+
+def _input(node, index) -> str:
+    return node.input[index] if index < len(node.input) else ""
+
+
+def _ints(array) -> tuple[int, ...]:
+    return tuple(int(v) for v in np.asarray(array).reshape(-1))
+
+
+def _outputs(node) -> list[str]:
+    return list(node.output)
+
+
+def _single_output(node, name) -> None:
+    if any(node.output[1:]):
+        raise UnsupportedError(
+            f"node {node.name!r} ({node.op_type}): output {name!r} beyond the first is not "
+            "supported"
+        )
+
+
+def direct(op: str | None = None, **defaults) -> Converter:
+    """Same inputs and outputs; the listed attributes (with their defaults) carried over."""
+
+    def convert(ctx, node, attrs):
+        values = {k: attrs.get(k, v) for k, v in defaults.items()}
+        values = {k: v for k, v in values.items() if v is not None}
+        ctx.emit(op or node.op_type, _inputs(node), _outputs(node), **values)
+
+    return convert
+
+
+def emit_reshape(ctx, data: str, shape, output: str | None = None):
+    return ctx.emit("Reshape", [data], [output] if output else 1, shape=tuple(shape))
+
+
+def resolve_reshape(in_shape, target, allowzero=False) -> tuple[int, ...]:
+    shape = list(target)
+    if not allowzero:
+        shape = [in_shape[i] if d == 0 else d for i, d in enumerate(shape)]
+    if shape.count(-1) > 1:
+        raise ValueError(f"reshape target {list(target)} has more than one -1")
+    if -1 in shape:
+        known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+        total = int(np.prod(in_shape, dtype=np.int64))
+        if known == 0 or total % known:
+            raise ValueError(f"cannot reshape {list(in_shape)} to {list(target)}")
+        shape[shape.index(-1)] = total // known
+    return tuple(shape)
+
+
+def resolve_auto_pad(auto_pad, in_sizes, kernel, strides, dilations, pads):
+    nsp = len(kernel)
+    if auto_pad in ("NOTSET", "", None):
+        return tuple(pads) if pads else (0,) * (2 * nsp)
+    if auto_pad == "VALID":
+        return (0,) * (2 * nsp)
+    begins, ends = [], []
+    for size, k, s, d in zip(in_sizes, kernel, strides, dilations, strict=True):
+        out = -(-size // s)
+        total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+        small, large = total // 2, total - total // 2
+        if auto_pad == "SAME_UPPER":
+            begins.append(small)
+            ends.append(large)
+        elif auto_pad == "SAME_LOWER":
+            begins.append(large)
+            ends.append(small)
+        else:
+            raise UnsupportedError(f"auto_pad {auto_pad!r} is not supported")
+    return tuple(begins + ends)
+
+
+# --- converters --------------------------------------------------------------------------------
+
+
+def convert_conv(ctx, node, attrs):
+    x, w = ctx.type(node.input[0]), ctx.type(node.input[1])
+    nsp = x.rank - 2
+    kernel = tuple(attrs.get("kernel_shape") or w.shape[2:])
+    if kernel != tuple(w.shape[2:]):
+        raise UnsupportedError(f"node {node.name!r}: kernel_shape {kernel} != weight {w.shape}")
+    strides = tuple(attrs.get("strides") or (1,) * nsp)
+    dilations = tuple(attrs.get("dilations") or (1,) * nsp)
+    pads = resolve_auto_pad(attrs.get("auto_pad", "NOTSET"), x.shape[2:], kernel, strides,
+                            dilations, attrs.get("pads"))
+    ctx.emit("Conv", _inputs(node), _outputs(node), pads=pads, strides=strides,
+             dilations=dilations, group=attrs.get("group", 1))
+
+
+def convert_pool(op: str) -> Converter:
+    def convert(ctx, node, attrs):
+        x = ctx.type(node.input[0])
+        kernel = tuple(attrs.get("kernel_shape"))
+        nsp = len(kernel)
+        strides = tuple(attrs.get("strides") or (1,) * nsp)
+        dilations = tuple(attrs.get("dilations") or (1,) * nsp)
+        ceil_mode = attrs.get("ceil_mode", 0)
+        auto_pad = attrs.get("auto_pad", "NOTSET")
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            pads = resolve_auto_pad(auto_pad, x.shape[2:], kernel, strides, dilations, None)
+        else:
+            pads = resolve_auto_pad(auto_pad, x.shape[2:], kernel, strides, dilations,
+                                    attrs.get("pads"))
+        extra = {}
+        if op == "AveragePool":
+            extra["count_include_pad"] = attrs.get("count_include_pad", 0)
+        if op == "MaxPool":
+            extra["storage_order"] = attrs.get("storage_order", 0)
+        if op == "LpPool":
+            extra["p"] = attrs.get("p", 2)
+        outputs = _outputs(node)
+        if op == "MaxPool" and len(outputs) == 1:
+            outputs.append("")
+        ctx.emit(op, [node.input[0]], outputs, kernel_shape=kernel, pads=pads, strides=strides,
+                 dilations=dilations, ceil_mode=ceil_mode, **extra)
+
+    return convert
+
+
+def convert_global_pool(reduce_op: str) -> Converter:
+    def convert(ctx, node, attrs):
+        x = ctx.type(node.input[0])
+        if reduce_op == "LpPool":
+            p = attrs.get("p", 2)
+            ctx.emit("LpPool", [node.input[0]], _outputs(node), kernel_shape=x.shape[2:], p=p)
+            return
+        ctx.emit(reduce_op, [node.input[0]], _outputs(node), axes=tuple(range(2, x.rank)),
+                 keepdims=1)
+
+    return convert
+
+
+def convert_reshape(ctx, node, attrs):
+    target = _ints(ctx.value(node.input[1], "Reshape shape"))
+    shape = resolve_reshape(ctx.type(node.input[0]).shape, target, attrs.get("allowzero", 0))
+    emit_reshape(ctx, node.input[0], shape, node.output[0])
+
+
+def convert_flatten(ctx, node, attrs):
+    x = ctx.type(node.input[0])
+    axis = attrs.get("axis", 1) % (x.rank + 1) if x.rank else 0
+    outer = int(np.prod(x.shape[:axis], dtype=np.int64))
+    emit_reshape(ctx, node.input[0], (outer, x.size // outer if outer else 0), node.output[0])
+
+
+def _axes_from(ctx, node, attrs, index, purpose):
+    if attrs.has("axes"):
+        return tuple(attrs.get("axes"))
+    if _input(node, index):
+        return _ints(ctx.value(node.input[index], purpose))
+    return None
+
+
+def convert_squeeze(ctx, node, attrs):
+    x = ctx.type(node.input[0])
+    axes = _axes_from(ctx, node, attrs, 1, "Squeeze axes")
+    if axes is None:
+        axes = tuple(i for i, d in enumerate(x.shape) if d == 1)
+    axes = {a % x.rank for a in axes}
+    if any(x.shape[a] != 1 for a in axes):
+        raise ValueError(f"node {node.name!r}: cannot squeeze non-unit axes of {x}")
+    shape = [d for i, d in enumerate(x.shape) if i not in axes]
+    emit_reshape(ctx, node.input[0], shape, node.output[0])
+
+
+def convert_unsqueeze(ctx, node, attrs):
+    x = ctx.type(node.input[0])
+    axes = _axes_from(ctx, node, attrs, 1, "Unsqueeze axes")
+    rank = x.rank + len(axes)
+    axes = sorted(a % rank for a in axes)
+    shape = list(x.shape)
+    for a in axes:
+        shape.insert(a, 1)
+    emit_reshape(ctx, node.input[0], shape, node.output[0])
+
+
+def convert_constant(ctx, node, attrs):
+    for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+        if attrs.has(key):
+            value = attrs.get(key)
+            dtype = np.float32 if "float" in key else np.int64 if "int" in key else None
+            array = np.asarray(value, dtype=dtype)
+            ctx.add_constant(array, name=node.output[0])
+            return
+    raise UnsupportedError(
+        f"node {node.name!r}: Constant with attribute(s) {', '.join(attrs._values)} "
+        "(strings/sparse) is not supported"
+    )
+
+
+def convert_constant_of_shape(ctx, node, attrs):
+    shape = _ints(ctx.value(node.input[0], "ConstantOfShape shape"))
+    value = attrs.get("value")
+    fill = np.zeros((), np.float32) if value is None else np.asarray(value).reshape(())
+    # A zero-strided view: a large fill (model-zoo weights are made this way) costs no memory.
+    ctx.add_constant(np.broadcast_to(fill, shape), name=node.output[0])
+
+
+def convert_range(ctx, node, attrs):
+    start, limit, delta = (ctx.value(n, "Range bound") for n in node.input)
+    count = max(int(np.ceil((limit - start) / delta)), 0)
+    values = (start + np.arange(count) * delta).astype(start.dtype)
+    ctx.add_constant(values, name=node.output[0])
+
+
+def convert_identity(ctx, node, attrs):
+    ctx.emit("Identity", [node.input[0]], [node.output[0]])
+
+
+def convert_dropout(ctx, node, attrs):
+    attrs.ignore("seed", "ratio")
+    training = _input(node, 2)
+    if training and bool(np.asarray(ctx.value(training, "Dropout training_mode")).item()):
+        raise UnsupportedError(f"node {node.name!r}: Dropout in training mode is not supported")
+    ctx.emit("Identity", [node.input[0]], [node.output[0]])
+    if len(node.output) > 1 and node.output[1]:
+        mask = np.ones(ctx.type(node.input[0]).shape, dtype=bool)
+        ctx.add_constant(mask, name=node.output[1])
+
+
+def convert_cast(ctx, node, attrs):
+    attrs.ignore("saturate", "round_mode")
+    to = onnx_dtype_name(attrs.get("to"))
+    ctx.emit("Cast", [node.input[0]], [node.output[0]], to=to)
+
+
+def convert_cast_like(ctx, node, attrs):
+    attrs.ignore("saturate", "round_mode")
+    ctx.emit("Cast", [node.input[0]], [node.output[0]], to=ctx.type(node.input[1]).dtype)
+
+
+def convert_clip(ctx, node, attrs):
+    bounds = {}
+    for index, key in ((1, "min"), (2, "max")):
+        if _input(node, index):
+            bounds[key] = np.asarray(ctx.value(node.input[index], f"Clip {key}")).item()
+    ctx.emit("Clip", [node.input[0]], [node.output[0]], **bounds)
+
+
+def convert_clip_legacy(ctx, node, attrs):
+    bounds = {k: attrs.get(k) for k in ("min", "max") if attrs.has(k)}
+    ctx.emit("Clip", [node.input[0]], [node.output[0]], **bounds)
+
+
+def convert_pad_legacy(ctx, node, attrs):
+    ctx.emit("Pad", [node.input[0]], [node.output[0]], pads=tuple(attrs.get("pads")),
+             mode=attrs.get("mode", "constant"), value=attrs.get("value", 0.0))
+
+
+def convert_slice_legacy(ctx, node, attrs):
+    rank = ctx.type(node.input[0]).rank
+    starts, ends = tuple(attrs.get("starts")), tuple(attrs.get("ends"))
+    axes = tuple(a % rank for a in (attrs.get("axes") or range(len(starts))))
+    ctx.emit("Slice", [node.input[0]], [node.output[0]], starts=starts, ends=ends, axes=axes,
+             steps=(1,) * len(starts))
+
+
+def convert_softmax_legacy(op: str) -> Converter:
+    """Before opset 13 the softmax family flattens to 2-D at `axis`."""
+
+    def convert(ctx, node, attrs):
+        x = ctx.type(node.input[0])
+        axis = attrs.get("axis", 1) % max(x.rank, 1)
+        outer = int(np.prod(x.shape[:axis], dtype=np.int64))
+        flat = emit_reshape(ctx, node.input[0], (outer, x.size // max(outer, 1)))
+        result = ctx.emit(op, [flat], 1, axis=-1)
+        emit_reshape(ctx, result, x.shape, node.output[0])
+
+    return convert
+
+
+def convert_softmax(ctx, node, attrs):
+    x = ctx.type(node.input[0])
+    axis = attrs.get("axis", -1)
+    ctx.emit(node.op_type, [node.input[0]], [node.output[0]], axis=axis % max(x.rank, 1))
+
+
+def convert_split(ctx, node, attrs):
+    x = ctx.type(node.input[0])
+    axis = attrs.get("axis", 0) % x.rank
+    count = len(node.output)
+    if attrs.has("split"):
+        sizes = tuple(attrs.get("split"))
+    elif _input(node, 1):
+        sizes = _ints(ctx.value(node.input[1], "Split sizes"))
+    else:
+        parts = attrs.get("num_outputs", count)
+        chunk = -(-x.shape[axis] // parts)
+        sizes = tuple(min(chunk, x.shape[axis] - i * chunk) for i in range(parts))
+    ctx.emit("Split", [node.input[0]], _outputs(node), axis=axis, sizes=sizes)
+
+
+def convert_slice(ctx, node, attrs):
+    x = ctx.type(node.input[0])
+    starts = _ints(ctx.value(node.input[1], "Slice starts"))
+    ends = _ints(ctx.value(node.input[2], "Slice ends"))
+    axes = (
+        _ints(ctx.value(node.input[3], "Slice axes")) if _input(node, 3)
+        else tuple(range(len(starts)))
+    )
+    steps = _ints(ctx.value(node.input[4], "Slice steps")) if _input(node, 4) else (1,) * len(
+        starts)
+    axes = tuple(a % x.rank for a in axes)
+    ctx.emit("Slice", [node.input[0]], [node.output[0]], starts=starts, ends=ends, axes=axes,
+             steps=steps)
+
+
+def convert_pad(ctx, node, attrs):
+    x = ctx.type(node.input[0])
+    pads = _ints(ctx.value(node.input[1], "Pad pads"))
+    value = 0
+    if _input(node, 2):
+        value = np.asarray(ctx.value(node.input[2], "Pad constant_value")).item()
+    if _input(node, 3):
+        axes = [a % x.rank for a in _ints(ctx.value(node.input[3], "Pad axes"))]
+        full = [0] * (2 * x.rank)
+        for i, a in enumerate(axes):
+            full[a], full[a + x.rank] = pads[i], pads[i + len(axes)]
+        pads = tuple(full)
+    ctx.emit("Pad", [node.input[0]], [node.output[0]], pads=pads,
+             mode=attrs.get("mode", "constant"), value=value)
+
+
+def convert_expand(ctx, node, attrs):
+    shape = _ints(ctx.value(node.input[1], "Expand shape"))
+    ctx.emit("Expand", [node.input[0]], [node.output[0]], shape=shape)
+
+
+def convert_tile(ctx, node, attrs):
+    repeats = _ints(ctx.value(node.input[1], "Tile repeats"))
+    ctx.emit("Tile", [node.input[0]], [node.output[0]], repeats=repeats)
+
+
+def convert_reduce(axes_from_input: bool) -> Converter:
+    def convert(ctx, node, attrs):
+        keepdims = attrs.get("keepdims", 1)
+        noop = attrs.get("noop_with_empty_axes", 0)
+        if axes_from_input:
+            axes = _ints(ctx.value(node.input[1], "reduce axes")) if _input(node, 1) else ()
+        else:
+            axes = tuple(attrs.get("axes") or ())
+        if not axes and noop:
+            ctx.emit("Identity", [node.input[0]], [node.output[0]])
+            return
+        rank = ctx.type(node.input[0]).rank
+        axes = tuple(sorted({a % rank for a in axes})) if rank else ()
+        ctx.emit(node.op_type, [node.input[0]], [node.output[0]], axes=axes, keepdims=keepdims)
+
+    return convert
+
+
+def convert_batch_norm(ctx, node, attrs):
+    attrs.ignore("momentum", "spatial")
+    if attrs.get("training_mode", 0):
+        raise UnsupportedError(f"node {node.name!r}: BatchNormalization in training mode")
+    _single_output(node, "running statistics")
+    ctx.emit("BatchNormalization", _inputs(node), [node.output[0]],
+             epsilon=attrs.get("epsilon", 1e-5))
+
+
+def convert_layer_norm(ctx, node, attrs):
+    stash = attrs.get("stash_type", 1)
+    outputs = _outputs(node) + [""] * (3 - len(node.output))
+    ctx.emit("LayerNormalization", _inputs(node), outputs, axis=attrs.get("axis", -1),
+             epsilon=attrs.get("epsilon", 1e-5), stash_type=onnx_dtype_name(stash))
+
+
+def convert_transpose(ctx, node, attrs):
+    rank = ctx.type(node.input[0]).rank
+    perm = tuple(attrs.get("perm") or range(rank - 1, -1, -1))
+    ctx.emit("Transpose", [node.input[0]], [node.output[0]], perm=perm)
+
+
+def convert_depth_to_space(ctx, node, attrs):
+    n, c, h, w = ctx.type(node.input[0]).shape
+    b = attrs.get("blocksize")
+    if attrs.get("mode", "DCR") == "DCR":
+        tmp = emit_reshape(ctx, node.input[0], (n, b, b, c // (b * b), h, w))
+        perm = (0, 3, 4, 1, 5, 2)
+    else:
+        tmp = emit_reshape(ctx, node.input[0], (n, c // (b * b), b, b, h, w))
+        perm = (0, 1, 4, 2, 5, 3)
+    moved = ctx.emit("Transpose", [tmp], 1, perm=perm)
+    emit_reshape(ctx, moved, (n, c // (b * b), h * b, w * b), node.output[0])
+
+
+def convert_space_to_depth(ctx, node, attrs):
+    n, c, h, w = ctx.type(node.input[0]).shape
+    b = attrs.get("blocksize")
+    tmp = emit_reshape(ctx, node.input[0], (n, c, h // b, b, w // b, b))
+    moved = ctx.emit("Transpose", [tmp], 1, perm=(0, 3, 5, 1, 2, 4))
+    emit_reshape(ctx, moved, (n, c * b * b, h // b, w // b), node.output[0])
+
+
+def convert_shape(ctx, node, attrs):
+    extra = {k: attrs.get(k) for k in ("start", "end") if attrs.has(k)}
+    ctx.emit("Shape", [node.input[0]], [node.output[0]], **extra)
+
+
+# The table. Versions are the opsets where the ONNX semantics a converter implements begin.
+_UNARY = [
+    "Relu", "Sigmoid", "Tanh", "Erf", "Sqrt", "Exp", "Log", "Neg", "Abs", "Reciprocal",
+    "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh",
+    "Cosh", "Asinh", "Acosh", "Atanh", "Softplus", "Softsign", "HardSwish", "Mish", "Not",
+    "IsNaN", "BitwiseNot",
+]
+_BINARY = [
+    "Add", "Sub", "Mul", "Div", "Pow", "PRelu", "Equal", "Less", "Greater", "LessOrEqual",
+    "GreaterOrEqual", "And", "Or", "Xor", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "Where",
+    "Max", "Min", "Sum", "Mean", "MatMul",
+]
+
+CONVERTERS: dict[str, dict[int, Converter]] = {
+    **{op: {1: direct()} for op in _UNARY + _BINARY},
+    "LeakyRelu": {1: direct(alpha=0.01)},
+    "Elu": {1: direct(alpha=1.0)},
+    "Selu": {1: direct(alpha=1.6732632423543772, gamma=1.0507009873554805)},
+    "Celu": {12: direct(alpha=1.0)},
+    "ThresholdedRelu": {10: direct(alpha=1.0)},
+    "HardSigmoid": {1: direct(alpha=0.2, beta=0.5)},
+    "Gelu": {20: direct(approximate="none")},
+    "Shrink": {9: direct(bias=0.0, lambd=0.5)},
+    "IsInf": {10: direct(detect_negative=1, detect_positive=1)},
+    "Mod": {10: direct(fmod=0)},
+    "BitShift": {11: direct(direction=None)},
+    "Clip": {6: convert_clip_legacy, 11: convert_clip},
+    "Cast": {1: convert_cast},
+    "CastLike": {15: convert_cast_like},
+    "Identity": {1: convert_identity},
+    "Dropout": {1: convert_dropout},
+    "Constant": {1: convert_constant},
+    "ConstantOfShape": {9: convert_constant_of_shape},
+    "Range": {11: convert_range},
+    "Shape": {1: convert_shape},
+    "Size": {1: direct()},
+    "Reshape": {5: convert_reshape},
+    "Flatten": {1: convert_flatten},
+    "Squeeze": {1: convert_squeeze},
+    "Unsqueeze": {1: convert_unsqueeze},
+    "Transpose": {1: convert_transpose},
+    "Concat": {4: direct(axis=None)},
+    "Split": {1: convert_split},
+    "Slice": {1: convert_slice_legacy, 10: convert_slice},
+    "Gather": {1: direct(axis=0)},
+    "Expand": {8: convert_expand},
+    "Tile": {6: convert_tile},
+    "Pad": {2: convert_pad_legacy, 11: convert_pad},
+    "DepthToSpace": {1: convert_depth_to_space},
+    "SpaceToDepth": {1: convert_space_to_depth},
+    "Conv": {1: convert_conv},
+    "MaxPool": {1: convert_pool("MaxPool")},
+    "AveragePool": {1: convert_pool("AveragePool")},
+    "LpPool": {1: convert_pool("LpPool")},
+    "GlobalAveragePool": {1: convert_global_pool("ReduceMean")},
+    "GlobalMaxPool": {1: convert_global_pool("ReduceMax")},
+    "GlobalLpPool": {2: convert_global_pool("LpPool")},
+    "Gemm": {1: direct(alpha=1.0, beta=1.0, transA=0, transB=0)},
+    "Einsum": {12: direct(equation=None)},
+    "BatchNormalization": {1: convert_batch_norm},
+    "LayerNormalization": {17: convert_layer_norm},
+    "InstanceNormalization": {1: direct(epsilon=1e-5)},
+    "LRN": {1: direct(alpha=1e-4, beta=0.75, bias=1.0, size=None)},
+    "Softmax": {1: convert_softmax_legacy("Softmax"), 13: convert_softmax},
+    "LogSoftmax": {1: convert_softmax_legacy("LogSoftmax"), 13: convert_softmax},
+    "Hardmax": {1: convert_softmax_legacy("Hardmax"), 13: convert_softmax},
+    "ArgMax": {1: direct(axis=0, keepdims=1, select_last_index=0)},
+    "ArgMin": {1: direct(axis=0, keepdims=1, select_last_index=0)},
+    "ReduceSum": {1: convert_reduce(False), 13: convert_reduce(True)},
+    **{
+        op: {1: convert_reduce(False), 18: convert_reduce(True)}
+        for op in (
+            "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+            "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp",
+        )
+    },
+}

@@ -1,0 +1,1 @@
+"""Kiln runtime server package (filled by later issues)."""

@@ -1,0 +1,1 @@
+"""Kiln tuner workers package (filled by later issues)."""
