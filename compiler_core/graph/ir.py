@@ -159,7 +159,7 @@ class Node:
     @property
     def signature(self) -> tuple:
         """What the node computes, independent of its name and output names (for CSE)."""
-        return (self.op, self.inputs, self.attrs, len(self.outputs))
+        return (self.op, self.inputs, self.attrs, tuple(bool(o) for o in self.outputs))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,138 @@
+"""Operator fusion: partition the nodes into groups, each of which later becomes one kernel.
+
+Rules, written against pattern kinds only (TVM's):
+- an OUT_ELEMWISE_FUSABLE anchor (Conv, Gemm, MatMul, pooling) absorbs the elementwise and
+  broadcast ops that consume its result (bias, residual Add, Relu, Clip...): its epilogue;
+- chains of ELEMWISE/BROADCAST/INJECTIVE ops fuse together, and into a REDUCTION that
+  consumes them; a reduction absorbs an elementwise epilogue;
+- two heavy ops (OUT_ELEMWISE_FUSABLE or REDUCTION) never share a group;
+- OPAQUE ops stay alone.
+
+A node joins its producer's group only through a value that no one else reads (and that is
+not a graph output), and only when none of its other inputs depends on that group: the
+groups must stay a DAG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from compiler_core.graph.ir import FusionGroup, Graph, Node, OpKind
+from compiler_core.graph.ops import OP_TABLE
+
+NAME = "fuse_operators"
+HEAVY = (OpKind.OUT_ELEMWISE_FUSABLE, OpKind.REDUCTION)
+
+
+@dataclasses.dataclass
+class _Group:
+    nodes: list[str]
+    anchor: str | None
+    anchor_kind: OpKind | None
+    max_kind: OpKind
+
+
+def kind_of(node: Node) -> OpKind:
+    return OP_TABLE[node.op].kind
+
+
+def _can_absorb(group: _Group, kind: OpKind) -> bool:
+    if kind == OpKind.OPAQUE or group.max_kind == OpKind.OPAQUE:
+        return False
+    if group.anchor_kind == OpKind.OUT_ELEMWISE_FUSABLE:
+        return kind <= OpKind.BROADCAST  # epilogue only
+    if group.anchor_kind == OpKind.REDUCTION:
+        return kind <= OpKind.BROADCAST
+    # An anchorless group of injective ops: more injective ops, or a reduction to anchor it.
+    return kind <= OpKind.INJECTIVE or kind == OpKind.REDUCTION
+
+
+def run(graph: Graph) -> Graph:
+    group_of: dict[str, int] = {}  # node name -> group id
+    groups: list[_Group] = []
+    # reads[g]: the groups whose values group g reads directly (to keep the DAG).
+    reads: list[set[int]] = []
+
+    for node in graph.nodes:
+        kind = kind_of(node)
+        producer_groups = {
+            group_of[graph.producers[v].name]
+            for v in node.inputs
+            if v in graph.producers
+        }
+        target = _choose_group(graph, node, kind, group_of, groups, reads)
+        if target is None:
+            groups.append(_Group([node.name], None, None, kind))
+            reads.append(set())
+            target = len(groups) - 1
+            if kind in HEAVY:
+                groups[target].anchor, groups[target].anchor_kind = node.name, kind
+        else:
+            group = groups[target]
+            group.nodes.append(node.name)
+            group.max_kind = max(group.max_kind, kind)
+            if kind in HEAVY:
+                group.anchor, group.anchor_kind = node.name, kind
+        group_of[node.name] = target
+        reads[target] |= producer_groups - {target}
+
+    fused = tuple(
+        FusionGroup(
+            name=f"group_{i}_{(g.anchor or g.nodes[0])}",
+            nodes=tuple(g.nodes),
+            kind=g.anchor_kind if g.anchor_kind is not None else g.max_kind,
+            anchor=g.anchor,
+        )
+        for i, g in enumerate(groups)
+    )
+    return graph.replace(groups=fused)
+
+
+def _choose_group(graph, node, kind, group_of, groups, reads) -> int | None:
+    if kind == OpKind.OPAQUE:
+        return None
+    candidates = []
+    for value in node.inputs:
+        producer = graph.producers.get(value)
+        if producer is None or value in graph.outputs:
+            continue
+        if len(graph.consumers.get(value, ())) != 1:
+            continue
+        g = group_of[producer.name]
+        group = groups[g]
+        if kind in HEAVY and group.anchor_kind is not None:
+            continue  # two heavy ops never fuse
+        if not _can_absorb(group, kind):
+            continue
+        if not _keeps_dag(graph, node, g, group_of, reads):
+            continue
+        candidates.append(g)
+    if not candidates:
+        return None
+    # Prefer joining a heavy anchor's group (an epilogue), then the most recent group.
+    return max(candidates, key=lambda g: (groups[g].anchor_kind is not None, g))
+
+
+def _keeps_dag(graph, node, target, group_of, reads) -> bool:
+    """Joining `target` is safe if no other input of `node` comes from a group that
+    itself depends on `target` (that would make the fused group read its own output)."""
+    for value in node.inputs:
+        producer = graph.producers.get(value)
+        if producer is None:
+            continue
+        g = group_of[producer.name]
+        if g != target and _depends_on(g, target, reads):
+            return False
+    return True
+
+
+def _depends_on(start: int, target: int, reads) -> bool:
+    stack, seen = [start], set()
+    while stack:
+        g = stack.pop()
+        if g == target:
+            return True
+        if g not in seen:
+            seen.add(g)
+            stack.extend(reads[g])
+    return False

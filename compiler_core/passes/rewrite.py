@@ -1,0 +1,87 @@
+"""Small tools the passes share for rewriting a graph's node list."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from compiler_core.graph.ir import Graph, Node
+
+
+def rename_inputs(node: Node, mapping: Mapping[str, str]) -> Node:
+    if not any(name in mapping for name in node.inputs):
+        return node
+    return node.replace(inputs=tuple(mapping.get(name, name) for name in node.inputs))
+
+
+def resolve(mapping: Mapping[str, str], name: str) -> str:
+    while name in mapping:
+        name = mapping[name]
+    return name
+
+
+def forward_values(graph: Graph, nodes: Sequence[Node], forward: Mapping[str, str]) -> Graph:
+    """Make every use of `old` read `new` instead (for old -> new in `forward`).
+
+    A graph output keeps its name: when `old` is an output and `new` is a plain intermediate,
+    the producer of `new` is renamed to produce `old`. Where that cannot be done (new is an
+    input, a constant or another output), the node that defined `old` is kept as an Identity.
+    """
+    forward = {old: resolve(forward, old) for old in forward}
+    outputs = set(graph.outputs)
+    renames: dict[str, str] = {}
+    keep_identity: dict[str, str] = {}
+    claimed: set[str] = set()
+    for old, new in forward.items():
+        if old not in outputs:
+            continue
+        if (
+            new in graph.inputs
+            or new in graph.constants
+            or new in outputs
+            or new in claimed
+            or new not in _produced(nodes)
+        ):
+            keep_identity[old] = new
+        else:
+            renames[new] = old
+            claimed.add(new)
+    uses = {old: new for old, new in forward.items() if old not in keep_identity}
+    uses = {old: renames.get(new, new) for old, new in uses.items()}
+    uses.update(renames)
+    result = []
+    for node in nodes:
+        node = rename_inputs(node, uses)
+        if any(out in renames for out in node.outputs):
+            node = node.replace(outputs=tuple(renames.get(o, o) for o in node.outputs))
+        result.append(node)
+    for old, new in keep_identity.items():
+        source = uses.get(new, new)
+        result.append(Node("Identity", f"{old}_identity", (source,), (old,)))
+    types = dict(graph.types)
+    return graph.replace(nodes=tuple(_toposort(result, graph)), types=types)
+
+
+def _produced(nodes: Sequence[Node]) -> set[str]:
+    return {out for node in nodes for out in node.outputs}
+
+
+def _toposort(nodes: Sequence[Node], graph: Graph) -> list[Node]:
+    """Stable topological order (nodes appended by a rewrite may depend on later ones)."""
+    available = set(graph.inputs) | set(graph.constants) | {""}
+    pending = list(nodes)
+    ordered: list[Node] = []
+    while pending:
+        progressed = False
+        rest = []
+        for node in pending:
+            if all(name in available for name in node.inputs):
+                ordered.append(node)
+                available.update(node.outputs)
+                progressed = True
+            else:
+                rest.append(node)
+        if not progressed:
+            names = ", ".join(n.name for n in rest[:5])
+            raise ValueError(f"graph has a cycle or an undefined value at nodes: {names}")
+        pending = rest
+    return ordered

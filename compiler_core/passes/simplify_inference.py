@@ -1,0 +1,168 @@
+"""Inference simplification.
+
+- BatchNormalization after a Conv or Gemm with constant weights folds into those weights;
+  any other BatchNormalization becomes a constant Mul and Add (which fusion then absorbs).
+- Algebraic identities: x*1, x/1, x+0, x-0 (when broadcasting changes nothing),
+  Reshape of Reshape, Transpose of Transpose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compiler_core.graph.ir import Graph, NameGenerator, Node, TensorType
+from compiler_core.passes.rewrite import forward_values
+
+NAME = "simplify_inference"
+
+
+class _Rewriter:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.constants = dict(graph.constants)
+        self.types = dict(graph.types)
+        self.fresh = NameGenerator(graph.names())
+        self.replaced: dict[str, Node] = {}  # node name -> new node (same position)
+        self.removed: set[str] = set()
+        self.forward: dict[str, str] = {}
+        self.after: dict[str, Node] = {}  # node name -> a node inserted right after it
+
+    def constant(self, array: np.ndarray, prefix: str) -> str:
+        name = self.fresh(prefix)
+        self.constants[name] = np.asarray(array)
+        self.types[name] = TensorType.of(np.asarray(array))
+        return name
+
+    def value(self, name: str) -> np.ndarray | None:
+        return self.constants.get(name) if name else None
+
+    def single_consumer(self, value: str) -> bool:
+        return (
+            len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
+        )
+
+    def result(self) -> Graph:
+        nodes = []
+        for node in self.graph.nodes:
+            if node.name in self.removed:
+                continue
+            nodes.append(self.replaced.get(node.name, node))
+            if node.name in self.after:
+                nodes.append(self.after[node.name])
+        graph = self.graph.replace(nodes=tuple(nodes), constants=self.constants, types=self.types)
+        if self.forward:
+            graph = forward_values(graph, graph.nodes, self.forward)
+        return graph
+
+
+def _bn_params(rw: _Rewriter, bn: Node):
+    params = [rw.value(name) for name in bn.inputs[1:5]]
+    if any(p is None for p in params):
+        return None
+    scale, bias, mean, var = (p.astype(np.float64) for p in params)
+    factor = scale / np.sqrt(var + bn.attr("epsilon", 1e-5))
+    return factor, bias - mean * factor
+
+
+def _fold_bn_into_producer(rw: _Rewriter, bn: Node, factor, shift) -> bool:
+    producer = rw.graph.producers.get(bn.inputs[0])
+    if producer is None or producer.name in rw.replaced or producer.name in rw.removed:
+        return False
+    if producer.op not in ("Conv", "Gemm") or not rw.single_consumer(bn.inputs[0]):
+        return False
+    weight = rw.value(producer.inputs[1])
+    bias_name = producer.inputs[2] if len(producer.inputs) > 2 else ""
+    bias = rw.value(bias_name) if bias_name else None
+    if weight is None or (bias_name and bias is None):
+        return False
+    dtype = weight.dtype
+    if producer.op == "Conv":
+        new_weight = weight * factor.reshape((-1,) + (1,) * (weight.ndim - 1))
+        old_bias = bias if bias is not None else np.zeros(weight.shape[0])
+        new_bias = old_bias * factor + shift
+        attrs = producer.attrs
+    else:
+        columns = rw.types[producer.outputs[0]].shape[1]
+        if factor.size not in (1, columns):
+            return False
+        trans_b = producer.attr("transB", 0)
+        scale_shape = (-1, 1) if trans_b else (1, -1)
+        new_weight = weight * factor.reshape(scale_shape) * producer.attr("alpha", 1.0)
+        old_bias = (bias * producer.attr("beta", 1.0)) if bias is not None else 0.0
+        new_bias = np.asarray(old_bias * factor + shift)
+        if new_bias.ndim == 0:
+            new_bias = np.broadcast_to(new_bias, (columns,))
+        attrs = dict(producer.attrs) | {"alpha": 1.0, "beta": 1.0}
+    weight_name = rw.constant(new_weight.astype(dtype), f"{producer.name}_bn_weight")
+    bias_value = np.asarray(new_bias).astype(dtype)
+    bias_const = rw.constant(bias_value, f"{producer.name}_bn_bias")
+    rw.replaced[producer.name] = producer.replace(
+        inputs=(producer.inputs[0], weight_name, bias_const),
+        outputs=(bn.outputs[0],),
+        attrs=attrs,
+    )
+    rw.removed.add(bn.name)
+    return True
+
+
+def _decompose_bn(rw: _Rewriter, bn: Node, factor, shift) -> None:
+    x_type = rw.types[bn.inputs[0]]
+    shape = (-1,) + (1,) * (x_type.rank - 2)
+    scale = rw.constant(factor.reshape(shape).astype(x_type.dtype), f"{bn.name}_scale")
+    offset = rw.constant(shift.reshape(shape).astype(x_type.dtype), f"{bn.name}_shift")
+    scaled = rw.fresh(f"{bn.name}_scaled")
+    rw.types[scaled] = x_type
+    mul = Node("Mul", rw.fresh(f"{bn.name}_mul"), (bn.inputs[0], scale), (scaled,))
+    add = Node("Add", rw.fresh(f"{bn.name}_add"), (scaled, offset), (bn.outputs[0],))
+    rw.replaced[bn.name] = mul
+    rw.after[bn.name] = add
+
+
+def _neutral(rw: _Rewriter, node: Node):
+    """The input an x*1 / x+0 style node reduces to, or None."""
+    if node.op not in ("Add", "Sub", "Mul", "Div") or len(node.inputs) != 2:
+        return None
+    out_type = rw.types[node.outputs[0]]
+    neutral = 1 if node.op in ("Mul", "Div") else 0
+    candidates = [(0, 1)] if node.op in ("Sub", "Div") else [(0, 1), (1, 0)]
+    for keep, other in candidates:
+        value = rw.value(node.inputs[other])
+        if value is None or rw.types[node.inputs[keep]] != out_type:
+            continue
+        if value.size and np.all(value == neutral):
+            return node.inputs[keep]
+    return None
+
+
+def _compose_reshape(rw: _Rewriter, node: Node) -> Node | None:
+    producer = rw.graph.producers.get(node.inputs[0])
+    if producer is None or producer.op != "Reshape" or producer.name in rw.replaced:
+        return None
+    return node.replace(inputs=(producer.inputs[0],))
+
+
+def _compose_transpose(rw: _Rewriter, node: Node) -> Node | None:
+    producer = rw.graph.producers.get(node.inputs[0])
+    if producer is None or producer.op != "Transpose" or producer.name in rw.replaced:
+        return None
+    inner, outer = producer.attr("perm"), node.attr("perm")
+    return node.replace(inputs=(producer.inputs[0],), attrs={"perm": tuple(inner[p] for p in outer)})
+
+
+def run(graph: Graph) -> Graph:
+    rw = _Rewriter(graph)
+    for node in graph.nodes:
+        if node.op == "BatchNormalization":
+            params = _bn_params(rw, node)
+            if params is None:
+                continue
+            if not _fold_bn_into_producer(rw, node, *params):
+                _decompose_bn(rw, node, *params)
+        elif (source := _neutral(rw, node)) is not None:
+            rw.removed.add(node.name)
+            rw.forward[node.outputs[0]] = source
+        elif node.op == "Reshape" and (new := _compose_reshape(rw, node)) is not None:
+            rw.replaced[node.name] = new
+        elif node.op == "Transpose" and (new := _compose_transpose(rw, node)) is not None:
+            rw.replaced[node.name] = new
+    return rw.result()
