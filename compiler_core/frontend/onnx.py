@@ -24,7 +24,7 @@ from compiler_core.graph.ops.base import ShapeError
 
 # 11 is the floor the product promises; older models import where their operators' semantics
 # are converted (the ONNX model zoo's opset-9 graphs are).
-MIN_OPSET = 7
+MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
 DEFAULT_DOMAINS = ("", "ai.onnx")
 # Values up to this many elements are evaluated during import when their inputs are known;
@@ -326,8 +326,7 @@ def infer_node(node: Node, in_types: Sequence[TensorType | None]) -> list[Tensor
     except (ShapeError, ValueError, IndexError, TypeError) as err:
         shown = ", ".join(str(t) for t in in_types)
         raise ShapeError(
-            f"node {node.name!r} ({node.op}) with inputs ({shown}) has no valid output "
-            f"type: {err}"
+            f"node {node.name!r} ({node.op}) with inputs ({shown}) has no valid output type: {err}"
         ) from None
     if len(out_types) < len(node.outputs):
         raise ShapeError(f"node {node.name!r} ({node.op}) produces fewer outputs than named")
@@ -376,7 +375,8 @@ def _input_type(value: onnx.ValueInfoProto, shapes: Mapping[str, Sequence[int]])
 
 
 def _dims_text(dims) -> str:
-    return "[" + ",".join(str(d.dim_value) if d.HasField("dim_value") else d.dim_param or "?" for d in dims) + "]"
+    labels = [str(d.dim_value) if d.HasField("dim_value") else d.dim_param or "?" for d in dims]
+    return "[" + ",".join(labels) + "]"
 
 
 def default_opset(model: onnx.ModelProto) -> int:

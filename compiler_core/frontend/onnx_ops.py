@@ -9,166 +9,23 @@ attributes of the Kiln node.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx
-from onnx import AttributeProto
 
-from compiler_core.frontend.onnx import (
-    ImportContext,
-    UnsupportedError,
-    onnx_dtype_name,
-    tensor_to_array,
+from compiler_core.frontend.convert_utils import (
+    Attrs,
+    Converter,
+    all_inputs,
+    all_outputs,
+    direct,
+    emit_reshape,
+    input_at,
+    ints,
+    resolve_auto_pad,
+    resolve_reshape,
+    single_output,
 )
-
-Converter = Callable[[ImportContext, onnx.NodeProto, "Attrs"], None]
-INT64_MAX = np.iinfo(np.int64).max
-
-
-class Attrs:
-    """A node's attributes as Python values; records which ones a converter consumed."""
-
-    def __init__(self, node: onnx.NodeProto):
-        self.node = node
-        self._values = {a.name: _attribute_value(node, a) for a in node.attribute}
-        self._read: set[str] = set()
-
-    def get(self, name, default=None):
-        self._read.add(name)
-        return self._values.get(name, default)
-
-    def has(self, name) -> bool:
-        return name in self._values
-
-    def ignore(self, *names) -> None:
-        """Attributes that do not change inference results (seeds, training momentum)."""
-        self._read.update(names)
-
-    def unread(self) -> list[str]:
-        return sorted(set(self._values) - self._read)
-
-
-def _attribute_value(node: onnx.NodeProto, attr: onnx.AttributeProto):
-    if attr.ref_attr_name:
-        raise UnsupportedError(f"node {node.name!r}: attribute references are not supported")
-    if attr.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
-        raise UnsupportedError(
-            f"node {node.name!r} ({node.op_type}): subgraph attribute {attr.name!r} "
-            "(control flow) is not supported"
-        )
-    if attr.type == AttributeProto.TENSOR:
-        return tensor_to_array(attr.t)
-    if attr.type == AttributeProto.SPARSE_TENSOR:
-        raise UnsupportedError(f"node {node.name!r}: sparse tensor attributes are not supported")
-    value = onnx.helper.get_attribute_value(attr)
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, list):
-        return [v.decode() if isinstance(v, bytes) else v for v in value]
-    return value
-
-
-def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:
-    versions = CONVERTERS.get(node.op_type)
-    if versions is None:
-        raise UnsupportedError(
-            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) is not supported"
-        )
-    eligible = [v for v in versions if v <= ctx.opset]
-    if not eligible:
-        raise UnsupportedError(
-            f"node {node.name!r}: operator {node.op_type} at opset {ctx.opset} is not "
-            f"supported (Kiln converts it from opset {min(versions)})"
-        )
-    attrs = Attrs(node)
-    versions[max(eligible)](ctx, node, attrs)
-    unread = attrs.unread()
-    if unread:
-        raise UnsupportedError(
-            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) attribute(s) "
-            f"{', '.join(unread)} not supported"
-        )
-
-
-# --- helpers -----------------------------------------------------------------------------------
-
-
-def _inputs(node) -> list[str]:
-    return list(node.input)
-
-
-def _input(node, index) -> str:
-    return node.input[index] if index < len(node.input) else ""
-
-
-def _ints(array) -> tuple[int, ...]:
-    return tuple(int(v) for v in np.asarray(array).reshape(-1))
-
-
-def _outputs(node) -> list[str]:
-    return list(node.output)
-
-
-def _single_output(node, name) -> None:
-    if any(node.output[1:]):
-        raise UnsupportedError(
-            f"node {node.name!r} ({node.op_type}): output {name!r} beyond the first is not "
-            "supported"
-        )
-
-
-def direct(op: str | None = None, **defaults) -> Converter:
-    """Same inputs and outputs; the listed attributes (with their defaults) carried over."""
-
-    def convert(ctx, node, attrs):
-        values = {k: attrs.get(k, v) for k, v in defaults.items()}
-        values = {k: v for k, v in values.items() if v is not None}
-        ctx.emit(op or node.op_type, _inputs(node), _outputs(node), **values)
-
-    return convert
-
-
-def emit_reshape(ctx, data: str, shape, output: str | None = None):
-    return ctx.emit("Reshape", [data], [output] if output else 1, shape=tuple(shape))
-
-
-def resolve_reshape(in_shape, target, allowzero=False) -> tuple[int, ...]:
-    shape = list(target)
-    if not allowzero:
-        shape = [in_shape[i] if d == 0 else d for i, d in enumerate(shape)]
-    if shape.count(-1) > 1:
-        raise ValueError(f"reshape target {list(target)} has more than one -1")
-    if -1 in shape:
-        known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
-        total = int(np.prod(in_shape, dtype=np.int64))
-        if known == 0 or total % known:
-            raise ValueError(f"cannot reshape {list(in_shape)} to {list(target)}")
-        shape[shape.index(-1)] = total // known
-    return tuple(shape)
-
-
-def resolve_auto_pad(auto_pad, in_sizes, kernel, strides, dilations, pads):
-    nsp = len(kernel)
-    if auto_pad in ("NOTSET", "", None):
-        return tuple(pads) if pads else (0,) * (2 * nsp)
-    if auto_pad == "VALID":
-        return (0,) * (2 * nsp)
-    begins, ends = [], []
-    for size, k, s, d in zip(in_sizes, kernel, strides, dilations, strict=True):
-        out = -(-size // s)
-        total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
-        small, large = total // 2, total - total // 2
-        if auto_pad == "SAME_UPPER":
-            begins.append(small)
-            ends.append(large)
-        elif auto_pad == "SAME_LOWER":
-            begins.append(large)
-            ends.append(small)
-        else:
-            raise UnsupportedError(f"auto_pad {auto_pad!r} is not supported")
-    return tuple(begins + ends)
-
+from compiler_core.frontend.onnx import ImportContext, UnsupportedError, onnx_dtype_name
 
 # --- converters --------------------------------------------------------------------------------
 
@@ -181,10 +38,18 @@ def convert_conv(ctx, node, attrs):
         raise UnsupportedError(f"node {node.name!r}: kernel_shape {kernel} != weight {w.shape}")
     strides = tuple(attrs.get("strides") or (1,) * nsp)
     dilations = tuple(attrs.get("dilations") or (1,) * nsp)
-    pads = resolve_auto_pad(attrs.get("auto_pad", "NOTSET"), x.shape[2:], kernel, strides,
-                            dilations, attrs.get("pads"))
-    ctx.emit("Conv", _inputs(node), _outputs(node), pads=pads, strides=strides,
-             dilations=dilations, group=attrs.get("group", 1))
+    pads = resolve_auto_pad(
+        attrs.get("auto_pad", "NOTSET"), x.shape[2:], kernel, strides, dilations, attrs.get("pads")
+    )
+    ctx.emit(
+        "Conv",
+        all_inputs(node),
+        all_outputs(node),
+        pads=pads,
+        strides=strides,
+        dilations=dilations,
+        group=attrs.get("group", 1),
+    )
 
 
 def convert_pool(op: str) -> Converter:
@@ -199,8 +64,9 @@ def convert_pool(op: str) -> Converter:
         if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
             pads = resolve_auto_pad(auto_pad, x.shape[2:], kernel, strides, dilations, None)
         else:
-            pads = resolve_auto_pad(auto_pad, x.shape[2:], kernel, strides, dilations,
-                                    attrs.get("pads"))
+            pads = resolve_auto_pad(
+                auto_pad, x.shape[2:], kernel, strides, dilations, attrs.get("pads")
+            )
         extra = {}
         if op == "AveragePool":
             extra["count_include_pad"] = attrs.get("count_include_pad", 0)
@@ -208,11 +74,20 @@ def convert_pool(op: str) -> Converter:
             extra["storage_order"] = attrs.get("storage_order", 0)
         if op == "LpPool":
             extra["p"] = attrs.get("p", 2)
-        outputs = _outputs(node)
+        outputs = all_outputs(node)
         if op == "MaxPool" and len(outputs) == 1:
             outputs.append("")
-        ctx.emit(op, [node.input[0]], outputs, kernel_shape=kernel, pads=pads, strides=strides,
-                 dilations=dilations, ceil_mode=ceil_mode, **extra)
+        ctx.emit(
+            op,
+            [node.input[0]],
+            outputs,
+            kernel_shape=kernel,
+            pads=pads,
+            strides=strides,
+            dilations=dilations,
+            ceil_mode=ceil_mode,
+            **extra,
+        )
 
     return convert
 
@@ -222,16 +97,17 @@ def convert_global_pool(reduce_op: str) -> Converter:
         x = ctx.type(node.input[0])
         if reduce_op == "LpPool":
             p = attrs.get("p", 2)
-            ctx.emit("LpPool", [node.input[0]], _outputs(node), kernel_shape=x.shape[2:], p=p)
+            ctx.emit("LpPool", [node.input[0]], all_outputs(node), kernel_shape=x.shape[2:], p=p)
             return
-        ctx.emit(reduce_op, [node.input[0]], _outputs(node), axes=tuple(range(2, x.rank)),
-                 keepdims=1)
+        ctx.emit(
+            reduce_op, [node.input[0]], all_outputs(node), axes=tuple(range(2, x.rank)), keepdims=1
+        )
 
     return convert
 
 
 def convert_reshape(ctx, node, attrs):
-    target = _ints(ctx.value(node.input[1], "Reshape shape"))
+    target = ints(ctx.value(node.input[1], "Reshape shape"))
     shape = resolve_reshape(ctx.type(node.input[0]).shape, target, attrs.get("allowzero", 0))
     emit_reshape(ctx, node.input[0], shape, node.output[0])
 
@@ -246,8 +122,8 @@ def convert_flatten(ctx, node, attrs):
 def _axes_from(ctx, node, attrs, index, purpose):
     if attrs.has("axes"):
         return tuple(attrs.get("axes"))
-    if _input(node, index):
-        return _ints(ctx.value(node.input[index], purpose))
+    if input_at(node, index):
+        return ints(ctx.value(node.input[index], purpose))
     return None
 
 
@@ -289,7 +165,7 @@ def convert_constant(ctx, node, attrs):
 
 
 def convert_constant_of_shape(ctx, node, attrs):
-    shape = _ints(ctx.value(node.input[0], "ConstantOfShape shape"))
+    shape = ints(ctx.value(node.input[0], "ConstantOfShape shape"))
     value = attrs.get("value")
     fill = np.zeros((), np.float32) if value is None else np.asarray(value).reshape(())
     # A zero-strided view: a large fill (model-zoo weights are made this way) costs no memory.
@@ -309,7 +185,7 @@ def convert_identity(ctx, node, attrs):
 
 def convert_dropout(ctx, node, attrs):
     attrs.ignore("seed", "ratio")
-    training = _input(node, 2)
+    training = input_at(node, 2)
     if training and bool(np.asarray(ctx.value(training, "Dropout training_mode")).item()):
         raise UnsupportedError(f"node {node.name!r}: Dropout in training mode is not supported")
     ctx.emit("Identity", [node.input[0]], [node.output[0]])
@@ -332,7 +208,7 @@ def convert_cast_like(ctx, node, attrs):
 def convert_clip(ctx, node, attrs):
     bounds = {}
     for index, key in ((1, "min"), (2, "max")):
-        if _input(node, index):
+        if input_at(node, index):
             bounds[key] = np.asarray(ctx.value(node.input[index], f"Clip {key}")).item()
     ctx.emit("Clip", [node.input[0]], [node.output[0]], **bounds)
 
@@ -343,16 +219,29 @@ def convert_clip_legacy(ctx, node, attrs):
 
 
 def convert_pad_legacy(ctx, node, attrs):
-    ctx.emit("Pad", [node.input[0]], [node.output[0]], pads=tuple(attrs.get("pads")),
-             mode=attrs.get("mode", "constant"), value=attrs.get("value", 0.0))
+    ctx.emit(
+        "Pad",
+        [node.input[0]],
+        [node.output[0]],
+        pads=tuple(attrs.get("pads")),
+        mode=attrs.get("mode", "constant"),
+        value=attrs.get("value", 0.0),
+    )
 
 
 def convert_slice_legacy(ctx, node, attrs):
     rank = ctx.type(node.input[0]).rank
     starts, ends = tuple(attrs.get("starts")), tuple(attrs.get("ends"))
     axes = tuple(a % rank for a in (attrs.get("axes") or range(len(starts))))
-    ctx.emit("Slice", [node.input[0]], [node.output[0]], starts=starts, ends=ends, axes=axes,
-             steps=(1,) * len(starts))
+    ctx.emit(
+        "Slice",
+        [node.input[0]],
+        [node.output[0]],
+        starts=starts,
+        ends=ends,
+        axes=axes,
+        steps=(1,) * len(starts),
+    )
 
 
 def convert_softmax_legacy(op: str) -> Converter:
@@ -381,53 +270,62 @@ def convert_split(ctx, node, attrs):
     count = len(node.output)
     if attrs.has("split"):
         sizes = tuple(attrs.get("split"))
-    elif _input(node, 1):
-        sizes = _ints(ctx.value(node.input[1], "Split sizes"))
+    elif input_at(node, 1):
+        sizes = ints(ctx.value(node.input[1], "Split sizes"))
     else:
         parts = attrs.get("num_outputs", count)
         chunk = -(-x.shape[axis] // parts)
         sizes = tuple(min(chunk, x.shape[axis] - i * chunk) for i in range(parts))
-    ctx.emit("Split", [node.input[0]], _outputs(node), axis=axis, sizes=sizes)
+    ctx.emit("Split", [node.input[0]], all_outputs(node), axis=axis, sizes=sizes)
 
 
 def convert_slice(ctx, node, attrs):
     x = ctx.type(node.input[0])
-    starts = _ints(ctx.value(node.input[1], "Slice starts"))
-    ends = _ints(ctx.value(node.input[2], "Slice ends"))
+    starts = ints(ctx.value(node.input[1], "Slice starts"))
+    ends = ints(ctx.value(node.input[2], "Slice ends"))
     axes = (
-        _ints(ctx.value(node.input[3], "Slice axes")) if _input(node, 3)
+        ints(ctx.value(node.input[3], "Slice axes"))
+        if input_at(node, 3)
         else tuple(range(len(starts)))
     )
-    steps = _ints(ctx.value(node.input[4], "Slice steps")) if _input(node, 4) else (1,) * len(
-        starts)
+    steps = (
+        ints(ctx.value(node.input[4], "Slice steps")) if input_at(node, 4) else (1,) * len(starts)
+    )
     axes = tuple(a % x.rank for a in axes)
-    ctx.emit("Slice", [node.input[0]], [node.output[0]], starts=starts, ends=ends, axes=axes,
-             steps=steps)
+    ctx.emit(
+        "Slice", [node.input[0]], [node.output[0]], starts=starts, ends=ends, axes=axes, steps=steps
+    )
 
 
 def convert_pad(ctx, node, attrs):
     x = ctx.type(node.input[0])
-    pads = _ints(ctx.value(node.input[1], "Pad pads"))
+    pads = ints(ctx.value(node.input[1], "Pad pads"))
     value = 0
-    if _input(node, 2):
+    if input_at(node, 2):
         value = np.asarray(ctx.value(node.input[2], "Pad constant_value")).item()
-    if _input(node, 3):
-        axes = [a % x.rank for a in _ints(ctx.value(node.input[3], "Pad axes"))]
+    if input_at(node, 3):
+        axes = [a % x.rank for a in ints(ctx.value(node.input[3], "Pad axes"))]
         full = [0] * (2 * x.rank)
         for i, a in enumerate(axes):
             full[a], full[a + x.rank] = pads[i], pads[i + len(axes)]
         pads = tuple(full)
-    ctx.emit("Pad", [node.input[0]], [node.output[0]], pads=pads,
-             mode=attrs.get("mode", "constant"), value=value)
+    ctx.emit(
+        "Pad",
+        [node.input[0]],
+        [node.output[0]],
+        pads=pads,
+        mode=attrs.get("mode", "constant"),
+        value=value,
+    )
 
 
 def convert_expand(ctx, node, attrs):
-    shape = _ints(ctx.value(node.input[1], "Expand shape"))
+    shape = ints(ctx.value(node.input[1], "Expand shape"))
     ctx.emit("Expand", [node.input[0]], [node.output[0]], shape=shape)
 
 
 def convert_tile(ctx, node, attrs):
-    repeats = _ints(ctx.value(node.input[1], "Tile repeats"))
+    repeats = ints(ctx.value(node.input[1], "Tile repeats"))
     ctx.emit("Tile", [node.input[0]], [node.output[0]], repeats=repeats)
 
 
@@ -436,7 +334,7 @@ def convert_reduce(axes_from_input: bool) -> Converter:
         keepdims = attrs.get("keepdims", 1)
         noop = attrs.get("noop_with_empty_axes", 0)
         if axes_from_input:
-            axes = _ints(ctx.value(node.input[1], "reduce axes")) if _input(node, 1) else ()
+            axes = ints(ctx.value(node.input[1], "reduce axes")) if input_at(node, 1) else ()
         else:
             axes = tuple(attrs.get("axes") or ())
         if not axes and noop:
@@ -453,16 +351,23 @@ def convert_batch_norm(ctx, node, attrs):
     attrs.ignore("momentum", "spatial")
     if attrs.get("training_mode", 0):
         raise UnsupportedError(f"node {node.name!r}: BatchNormalization in training mode")
-    _single_output(node, "running statistics")
-    ctx.emit("BatchNormalization", _inputs(node), [node.output[0]],
-             epsilon=attrs.get("epsilon", 1e-5))
+    single_output(node, "running statistics")
+    ctx.emit(
+        "BatchNormalization", all_inputs(node), [node.output[0]], epsilon=attrs.get("epsilon", 1e-5)
+    )
 
 
 def convert_layer_norm(ctx, node, attrs):
     stash = attrs.get("stash_type", 1)
-    outputs = _outputs(node) + [""] * (3 - len(node.output))
-    ctx.emit("LayerNormalization", _inputs(node), outputs, axis=attrs.get("axis", -1),
-             epsilon=attrs.get("epsilon", 1e-5), stash_type=onnx_dtype_name(stash))
+    outputs = all_outputs(node) + [""] * (3 - len(node.output))
+    ctx.emit(
+        "LayerNormalization",
+        all_inputs(node),
+        outputs,
+        axis=attrs.get("axis", -1),
+        epsilon=attrs.get("epsilon", 1e-5),
+        stash_type=onnx_dtype_name(stash),
+    )
 
 
 def convert_transpose(ctx, node, attrs):
@@ -499,18 +404,66 @@ def convert_shape(ctx, node, attrs):
 
 # The table. Versions are the opsets where the ONNX semantics a converter implements begin.
 _UNARY = [
-    "Relu", "Sigmoid", "Tanh", "Erf", "Sqrt", "Exp", "Log", "Neg", "Abs", "Reciprocal",
-    "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh",
-    "Cosh", "Asinh", "Acosh", "Atanh", "Softplus", "Softsign", "HardSwish", "Mish", "Not",
-    "IsNaN", "BitwiseNot",
+    "Relu",
+    "Sigmoid",
+    "Tanh",
+    "Erf",
+    "Sqrt",
+    "Exp",
+    "Log",
+    "Neg",
+    "Abs",
+    "Reciprocal",
+    "Floor",
+    "Ceil",
+    "Round",
+    "Sign",
+    "Sin",
+    "Cos",
+    "Tan",
+    "Asin",
+    "Acos",
+    "Atan",
+    "Sinh",
+    "Cosh",
+    "Asinh",
+    "Acosh",
+    "Atanh",
+    "Softplus",
+    "Softsign",
+    "HardSwish",
+    "Mish",
+    "Not",
+    "IsNaN",
+    "BitwiseNot",
 ]
 _BINARY = [
-    "Add", "Sub", "Mul", "Div", "Pow", "PRelu", "Equal", "Less", "Greater", "LessOrEqual",
-    "GreaterOrEqual", "And", "Or", "Xor", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "Where",
-    "Max", "Min", "Sum", "Mean", "MatMul",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Pow",
+    "PRelu",
+    "Equal",
+    "Less",
+    "Greater",
+    "LessOrEqual",
+    "GreaterOrEqual",
+    "And",
+    "Or",
+    "Xor",
+    "BitwiseAnd",
+    "BitwiseOr",
+    "BitwiseXor",
+    "Where",
+    "Max",
+    "Min",
+    "Sum",
+    "Mean",
+    "MatMul",
 ]
 
-CONVERTERS: dict[str, dict[int, Converter]] = {
+_CORE: dict[str, dict[int, Converter]] = {
     **{op: {1: direct()} for op in _UNARY + _BINARY},
     "LeakyRelu": {1: direct(alpha=0.01)},
     "Elu": {1: direct(alpha=1.0)},
@@ -569,8 +522,52 @@ CONVERTERS: dict[str, dict[int, Converter]] = {
     **{
         op: {1: convert_reduce(False), 18: convert_reduce(True)}
         for op in (
-            "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-            "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp",
+            "ReduceMean",
+            "ReduceMax",
+            "ReduceMin",
+            "ReduceProd",
+            "ReduceL1",
+            "ReduceL2",
+            "ReduceSumSquare",
+            "ReduceLogSum",
+            "ReduceLogSumExp",
         )
     },
 }
+
+
+def _merge(*tables: dict[str, dict[int, Converter]]) -> dict[str, dict[int, Converter]]:
+    merged: dict[str, dict[int, Converter]] = {}
+    for table in tables:
+        for op, versions in table.items():
+            if op in merged:
+                raise RuntimeError(f"converter for {op!r} is defined twice")
+            merged[op] = versions
+    return merged
+
+
+# The one table. Family modules keep their converters beside their topic; this is where
+# they all meet.
+CONVERTERS: dict[str, dict[int, Converter]] = _merge(_CORE)
+
+
+def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:
+    versions = CONVERTERS.get(node.op_type)
+    if versions is None:
+        raise UnsupportedError(
+            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) is not supported"
+        )
+    eligible = [v for v in versions if v <= ctx.opset]
+    if not eligible:
+        raise UnsupportedError(
+            f"node {node.name!r}: operator {node.op_type} at opset {ctx.opset} is not "
+            f"supported (Kiln converts it from opset {min(versions)})"
+        )
+    attrs = Attrs(node)
+    versions[max(eligible)](ctx, node, attrs)
+    unread = attrs.unread()
+    if unread:
+        raise UnsupportedError(
+            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) attribute(s) "
+            f"{', '.join(unread)} not supported"
+        )

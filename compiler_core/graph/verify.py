@@ -87,7 +87,10 @@ def types_consistent(graph: Graph) -> Iterator[str]:
             continue
         for name, typ in zip(node.outputs, inferred, strict=False):
             if name and graph.types.get(name) != typ:
-                yield f"node {node.name!r} ({node.op}): {name!r} typed {graph.types.get(name)}, rule says {typ}"
+                yield (
+                    f"node {node.name!r} ({node.op}): {name!r} typed {graph.types.get(name)}, "
+                    f"rule says {typ}"
+                )
 
 
 def groups_partition(graph: Graph) -> Iterator[str]:

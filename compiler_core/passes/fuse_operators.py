@@ -56,9 +56,7 @@ def run(graph: Graph) -> Graph:
     for node in graph.nodes:
         kind = kind_of(node)
         producer_groups = {
-            group_of[graph.producers[v].name]
-            for v in node.inputs
-            if v in graph.producers
+            group_of[graph.producers[v].name] for v in node.inputs if v in graph.producers
         }
         target = _choose_group(graph, node, kind, group_of, groups, reads)
         if target is None:

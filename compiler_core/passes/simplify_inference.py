@@ -37,9 +37,7 @@ class _Rewriter:
         return self.constants.get(name) if name else None
 
     def single_consumer(self, value: str) -> bool:
-        return (
-            len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
-        )
+        return len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
 
     def result(self) -> Graph:
         nodes = []
@@ -146,7 +144,13 @@ def _compose_transpose(rw: _Rewriter, node: Node) -> Node | None:
     if producer is None or producer.op != "Transpose" or producer.name in rw.replaced:
         return None
     inner, outer = producer.attr("perm"), node.attr("perm")
-    return node.replace(inputs=(producer.inputs[0],), attrs={"perm": tuple(inner[p] for p in outer)})
+    return node.replace(
+        inputs=(producer.inputs[0],), attrs={"perm": tuple(inner[p] for p in outer)}
+    )
+
+
+# Reshape(Reshape(x)) -> Reshape(x); Transpose(Transpose(x)) -> Transpose(x), perms composed.
+COMPOSERS = {"Reshape": _compose_reshape, "Transpose": _compose_transpose}
 
 
 def run(graph: Graph) -> Graph:
@@ -161,8 +165,6 @@ def run(graph: Graph) -> Graph:
         elif (source := _neutral(rw, node)) is not None:
             rw.removed.add(node.name)
             rw.forward[node.outputs[0]] = source
-        elif node.op == "Reshape" and (new := _compose_reshape(rw, node)) is not None:
-            rw.replaced[node.name] = new
-        elif node.op == "Transpose" and (new := _compose_transpose(rw, node)) is not None:
+        elif node.op in COMPOSERS and (new := COMPOSERS[node.op](rw, node)) is not None:
             rw.replaced[node.name] = new
     return rw.result()

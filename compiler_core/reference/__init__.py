@@ -1,5 +1,5 @@
 """Numpy reference executor for the graph IR: the oracle, never the product's inference path."""
 
-from compiler_core.reference.executor import ReferenceError_, run_graph
+from compiler_core.reference.executor import ReferenceExecutionError, run_graph
 
-__all__ = ["ReferenceError_", "run_graph"]
+__all__ = ["ReferenceExecutionError", "run_graph"]

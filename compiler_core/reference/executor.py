@@ -14,7 +14,7 @@ from compiler_core.graph.ir import Graph, TensorType
 from compiler_core.graph.ops import OP_TABLE
 
 
-class ReferenceError_(RuntimeError):
+class ReferenceExecutionError(RuntimeError):
     """The reference executor could not run a node (names the node)."""
 
 
@@ -31,9 +31,7 @@ def check_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np
         array = np.asarray(inputs[name])
         expected = graph.types[name]
         if TensorType.of(array) != expected:
-            raise ValueError(
-                f"input {name!r} is {TensorType.of(array)}, expected {expected}"
-            )
+            raise ValueError(f"input {name!r} is {TensorType.of(array)}, expected {expected}")
         checked[name] = array
     return checked
 
@@ -49,7 +47,7 @@ def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nd
             with np.errstate(all="ignore"):
                 results = OP_TABLE[node.op].compute(node, args)
         except Exception as err:  # noqa: BLE001 - re-raised with the node named
-            raise ReferenceError_(f"node {node.name!r} ({node.op}) failed: {err}") from err
+            raise ReferenceExecutionError(f"node {node.name!r} ({node.op}) failed: {err}") from err
         for name, value in zip(node.outputs, results, strict=False):
             if name:
                 env[name] = _as_declared(np.asarray(value), graph.types[name], node)
@@ -59,9 +57,8 @@ def run_graph(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nd
 
 def _as_declared(value: np.ndarray, declared: TensorType, node) -> np.ndarray:
     if value.shape != declared.shape:
-        raise ReferenceError_(
-            f"node {node.name!r} ({node.op}) produced shape {value.shape}, "
-            f"its type says {declared}"
+        raise ReferenceExecutionError(
+            f"node {node.name!r} ({node.op}) produced shape {value.shape}, its type says {declared}"
         )
     return value.astype(declared.dtype, copy=False)
 

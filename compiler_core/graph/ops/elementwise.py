@@ -100,10 +100,13 @@ UNARY = {
     "Softplus": lambda n, x: _float(x, lambda v: np.logaddexp(0.0, v)),
     "Softsign": lambda n, x: x / (1 + np.abs(x)),
     "Elu": lambda n, x: np.where(x > 0, x, n.attr("alpha", 1.0) * np.expm1(x)),
-    "Selu": lambda n, x: n.attr("gamma", 1.0507009873554805)
-    * np.where(x > 0, x, n.attr("alpha", 1.6732632423543772) * np.expm1(x)),
-    "Celu": lambda n, x: np.maximum(x, 0)
-    + np.minimum(0, n.attr("alpha", 1.0) * np.expm1(x / n.attr("alpha", 1.0))),
+    "Selu": lambda n, x: (
+        n.attr("gamma", 1.0507009873554805)
+        * np.where(x > 0, x, n.attr("alpha", 1.6732632423543772) * np.expm1(x))
+    ),
+    "Celu": lambda n, x: (
+        np.maximum(x, 0) + np.minimum(0, n.attr("alpha", 1.0) * np.expm1(x / n.attr("alpha", 1.0)))
+    ),
     "ThresholdedRelu": lambda n, x: np.where(x > n.attr("alpha", 1.0), x, 0),
     "Mish": lambda n, x: _float(x, lambda v: v * np.tanh(np.logaddexp(0.0, v))),
     "Shrink": lambda n, x: np.where(
@@ -118,8 +121,10 @@ UNARY = {
 
 PREDICATES = {
     "IsNaN": lambda n, x: np.isnan(x),
-    "IsInf": lambda n, x: (np.isposinf(x) & bool(n.attr("detect_positive", 1)))
-    | (np.isneginf(x) & bool(n.attr("detect_negative", 1))),
+    "IsInf": lambda n, x: (
+        (np.isposinf(x) & bool(n.attr("detect_positive", 1)))
+        | (np.isneginf(x) & bool(n.attr("detect_negative", 1)))
+    ),
     "Not": lambda n, x: np.logical_not(x),
 }
 

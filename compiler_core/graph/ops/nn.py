@@ -65,8 +65,9 @@ def _conv_rule(node, types):
         raise ShapeError(f"weight {w} does not fit input {x} with group={group}")
     pads, strides, dilations = spatial_params(node, nsp)
     out = [
-        window_output_size(x.shape[2 + i], w.shape[2 + i], pads[i], pads[i + nsp], strides[i],
-                           dilations[i])
+        window_output_size(
+            x.shape[2 + i], w.shape[2 + i], pads[i], pads[i + nsp], strides[i], dilations[i]
+        )
         for i in range(nsp)
     ]
     return [TensorType((x.shape[0], w.shape[0], *out), x.dtype)]
@@ -102,8 +103,9 @@ def _pool_out_sizes(node, shape):
     pads, strides, dilations = spatial_params(node, nsp)
     ceil_mode = bool(node.attr("ceil_mode", 0))
     return [
-        window_output_size(shape[2 + i], kernel[i], pads[i], pads[i + nsp], strides[i],
-                           dilations[i], ceil_mode)
+        window_output_size(
+            shape[2 + i], kernel[i], pads[i], pads[i + nsp], strides[i], dilations[i], ceil_mode
+        )
         for i in range(nsp)
     ]
 
@@ -130,9 +132,7 @@ def _max_pool(node, inputs):
     pos = np.argmax(flat, axis=-1)
     coords = np.unravel_index(pos, kernel)
     grids = np.meshgrid(*[np.arange(o) for o in out_sizes], indexing="ij")
-    spatial = [
-        grids[i] * strides[i] + coords[i] * dilations[i] - pads[i] for i in range(nsp)
-    ]
+    spatial = [grids[i] * strides[i] + coords[i] * dilations[i] - pads[i] for i in range(nsp)]
     dims = x.shape[2:]
     if node.attr("storage_order", 0):
         flat_index = np.zeros_like(spatial[0])
@@ -156,8 +156,11 @@ def _avg_pool(node, inputs):
     # The divisor counts real elements, plus the explicit pads when count_include_pad=1;
     # padding added only to complete a ceil-mode window never counts.
     if node.attr("count_include_pad", 0):
-        region = np.pad(np.ones((1, 1, *x.shape[2:])), [(0, 0), (0, 0)] + [
-            (pads[i], pads[i + nsp]) for i in range(nsp)], constant_values=1)
+        region = np.pad(
+            np.ones((1, 1, *x.shape[2:])),
+            [(0, 0), (0, 0)] + [(pads[i], pads[i + nsp]) for i in range(nsp)],
+            constant_values=1,
+        )
         shifted = [0] * nsp
     else:
         region = np.ones((1, 1, *x.shape[2:]))
@@ -174,8 +177,9 @@ def _lp_pool(node, inputs):
     pads, strides, dilations = spatial_params(node, nsp)
     p = node.attr("p", 2)
     out_sizes = _pool_out_sizes(node, x.shape)
-    win = _windows(np.abs(x.astype(np.float64)) ** p, kernel, pads, strides, dilations, 0,
-                   out_sizes)
+    win = _windows(
+        np.abs(x.astype(np.float64)) ** p, kernel, pads, strides, dilations, 0, out_sizes
+    )
     return [(win.sum(axis=tuple(range(-nsp, 0))) ** (1.0 / p)).astype(x.dtype)]
 
 
@@ -302,9 +306,7 @@ OPS: dict[str, OpDef] = {
     "Gemm": opdef("Gemm", OpKind.OUT_ELEMWISE_FUSABLE, _gemm_rule, _gemm),
     "Einsum": opdef("Einsum", OpKind.OUT_ELEMWISE_FUSABLE, _einsum_rule, _einsum),
     "BatchNormalization": opdef("BatchNormalization", OpKind.BROADCAST, same_as(0), _batch_norm),
-    "LayerNormalization": opdef(
-        "LayerNormalization", OpKind.OPAQUE, _layer_norm_rule, _layer_norm
-    ),
+    "LayerNormalization": opdef("LayerNormalization", OpKind.OPAQUE, _layer_norm_rule, _layer_norm),
     "InstanceNormalization": opdef(
         "InstanceNormalization", OpKind.OPAQUE, same_as(0), _instance_norm
     ),

@@ -20,9 +20,7 @@ def _reduce_rule(node, types):
     t = types[0]
     axes = reduce_axes(node, t.rank)
     keep = node.attr("keepdims", 1)
-    shape = tuple(
-        (1 if keep else None) if i in axes else d for i, d in enumerate(t.shape)
-    )
+    shape = tuple((1 if keep else None) if i in axes else d for i, d in enumerate(t.shape))
     return [TensorType(tuple(d for d in shape if d is not None), t.dtype)]
 
 
@@ -67,9 +65,11 @@ REDUCERS = {
     "ReduceSumSquare": _in_float64(lambda x, a, k: np.sum(x * x, axis=a, keepdims=k)),
     "ReduceLogSum": _in_float64(lambda x, a, k: np.log(np.sum(x, axis=a, keepdims=k))),
     "ReduceLogSumExp": _in_float64(
-        lambda x, a, k: np.log(np.sum(np.exp(x), axis=a, keepdims=k))
-        if x.size
-        else np.log(np.sum(x, axis=a, keepdims=k))
+        lambda x, a, k: (
+            np.log(np.sum(np.exp(x), axis=a, keepdims=k))
+            if x.size
+            else np.log(np.sum(x, axis=a, keepdims=k))
+        )
     ),
 }
 
@@ -88,7 +88,9 @@ def _arg_rule(node, types):
     t = types[0]
     axis = normalize_axis(node.attr("axis", 0), t.rank, node)
     keep = node.attr("keepdims", 1)
-    shape = tuple((1,) if i == axis and keep else () if i == axis else (d,) for i, d in enumerate(t.shape))
+    shape = tuple(
+        (1,) if i == axis and keep else () if i == axis else (d,) for i, d in enumerate(t.shape)
+    )
     return [TensorType(tuple(d for part in shape for d in part), "int64")]
 
 

@@ -42,7 +42,7 @@ def _concat_rule(node, types):
     total = 0
     for t in types:
         if t.rank != first.rank or any(
-            a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != axis
+            a != b for i, (a, b) in enumerate(zip(t.shape, first.shape, strict=True)) if i != axis
         ):
             raise ShapeError(f"cannot concatenate {first} and {t} on axis {axis}")
         total += t.shape[axis]
