@@ -12,6 +12,18 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from compiler_core.frontend import (
+    convert_conv_transpose,
+    convert_image,
+    convert_indexing,
+    convert_linalg,
+    convert_losses,
+    convert_normalization,
+    convert_quantize,
+    convert_recurrent,
+    convert_signal,
+    convert_transformer,
+)
 from compiler_core.frontend.convert_utils import (
     Attrs,
     Converter,
@@ -548,7 +560,19 @@ def _merge(*tables: dict[str, dict[int, Converter]]) -> dict[str, dict[int, Conv
 
 # The one table. Family modules keep their converters beside their topic; this is where
 # they all meet.
-CONVERTERS: dict[str, dict[int, Converter]] = _merge(_CORE)
+CONVERTERS: dict[str, dict[int, Converter]] = _merge(
+    _CORE,
+    convert_conv_transpose.CONVERTERS,
+    convert_normalization.CONVERTERS,
+    convert_transformer.CONVERTERS,
+    convert_losses.CONVERTERS,
+    convert_indexing.CONVERTERS,
+    convert_image.CONVERTERS,
+    convert_recurrent.CONVERTERS,
+    convert_quantize.CONVERTERS,
+    convert_signal.CONVERTERS,
+    convert_linalg.CONVERTERS,
+)
 
 
 def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:

@@ -5,10 +5,40 @@ One plain dict, merged from the family modules; a name defined twice is an error
 
 from __future__ import annotations
 
-from compiler_core.graph.ops import elementwise, nn, reduce, tensor
+from compiler_core.graph.ops import (
+    conv_transpose,
+    elementwise,
+    image,
+    indexing,
+    linalg,
+    losses,
+    nn,
+    normalization,
+    quantize,
+    recurrent,
+    reduce,
+    signal,
+    tensor,
+    transformer,
+)
 from compiler_core.graph.ops.base import OpDef
 
-_FAMILIES = (elementwise.OPS, tensor.OPS, reduce.OPS, nn.OPS)
+_FAMILIES = (
+    elementwise.OPS,
+    tensor.OPS,
+    reduce.OPS,
+    nn.OPS,
+    conv_transpose.OPS,
+    normalization.OPS,
+    transformer.OPS,
+    losses.OPS,
+    indexing.OPS,
+    image.OPS,
+    recurrent.OPS,
+    quantize.OPS,
+    signal.OPS,
+    linalg.OPS,
+)
 
 
 def _merge(families) -> dict[str, OpDef]:

@@ -1,0 +1,7 @@
+"""Converters for the transformer operators."""
+
+from __future__ import annotations
+
+from compiler_core.frontend.convert_utils import Converter
+
+CONVERTERS: dict[str, dict[int, Converter]] = {}
