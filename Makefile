@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kiln inspect $(MODELS)/resnet18.onnx --groups
+	$(BIN)/kiln inspect $(MODELS)/resnet18.onnx
 	$(BIN)/kiln verify $(MODELS)/encoder4.onnx
 	$(BIN)/kiln verify $(MODELS)/mlp.onnx --shape x=4,784
 

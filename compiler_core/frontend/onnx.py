@@ -103,8 +103,31 @@ def load_model(source: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.Mode
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as err:
+        _raise_unsupported_node(model)
         raise ModelFormatError(f"ONNX checker rejected the model: {_first_line(err)}") from None
     return model
+
+
+def _raise_unsupported_node(model: onnx.ModelProto) -> None:
+    """Turn a checker failure caused by an unknown operator or attribute into an error that
+    names the node, the op type and the opset."""
+    opsets = {op.domain or "": op.version for op in model.opset_import}
+    for node in model.graph.node:
+        domain = node.domain or ""
+        version = opsets.get("" if domain == "ai.onnx" else domain)
+        where = f"node {node.name!r}: operator {node.op_type}"
+        if domain not in DEFAULT_DOMAINS:
+            raise UnsupportedError(
+                f"{where} in domain {domain!r} is outside the default ONNX domain; not supported"
+            )
+        if version is None or not onnx.defs.has(node.op_type, version, ""):
+            raise UnsupportedError(f"{where} (opset {version}) is not an ONNX operator")
+        schema = onnx.defs.get_schema(node.op_type, version, "")
+        unknown = sorted(a.name for a in node.attribute if a.name not in schema.attributes)
+        if unknown:
+            raise UnsupportedError(
+                f"{where} (opset {version}) attribute(s) {', '.join(unknown)} not supported"
+            )
 
 
 def _parse(data: bytes, origin: str) -> onnx.ModelProto:
@@ -290,7 +313,7 @@ class ImportContext:
         if isinstance(outputs, int):
             outputs = [self.fresh(f"{op.lower()}") for _ in range(outputs)]
         base = (source.name or source.op_type) if source is not None else op
-        node = Node(op, self.fresh(base), tuple(inputs), tuple(outputs), attrs)
+        node = Node(op, self.fresh.unique(base), tuple(inputs), tuple(outputs), attrs)
         in_types = [self.types[i] if i else None for i in node.inputs]
         out_types = infer_node(node, in_types)
         for name, typ in zip(node.outputs, out_types, strict=True):
@@ -409,7 +432,7 @@ def import_model(
     constants = dict(constants or {})
     opset = default_opset(model)
     graph_proto = model.graph
-    taken = {v.name for v in graph_proto.input} | {n.name for n in graph_proto.node}
+    taken = {v.name for v in graph_proto.input} | {t.name for t in graph_proto.initializer}
     for node in graph_proto.node:
         taken.update(node.output)
     ctx = ImportContext(opset, taken)

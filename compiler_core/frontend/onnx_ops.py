@@ -126,7 +126,8 @@ def convert_reshape(ctx, node, attrs):
 
 def convert_flatten(ctx, node, attrs):
     x = ctx.type(node.input[0])
-    axis = attrs.get("axis", 1) % (x.rank + 1) if x.rank else 0
+    axis = attrs.get("axis", 1)
+    axis = axis + x.rank if axis < 0 else axis
     outer = int(np.prod(x.shape[:axis], dtype=np.int64))
     emit_reshape(ctx, node.input[0], (outer, x.size // outer if outer else 0), node.output[0])
 
@@ -405,7 +406,9 @@ def convert_space_to_depth(ctx, node, attrs):
     n, c, h, w = ctx.type(node.input[0]).shape
     b = attrs.get("blocksize")
     tmp = emit_reshape(ctx, node.input[0], (n, c, h // b, b, w // b, b))
-    moved = ctx.emit("Transpose", [tmp], 1, perm=(0, 3, 5, 1, 2, 4))
+    # DCR puts the block offset before the channel; CRD puts the channel first.
+    perm = (0, 3, 5, 1, 2, 4) if attrs.get("mode", "DCR") == "DCR" else (0, 1, 3, 5, 2, 4)
+    moved = ctx.emit("Transpose", [tmp], 1, perm=perm)
     emit_reshape(ctx, moved, (n, c * b * b, h // b, w // b), node.output[0])
 
 

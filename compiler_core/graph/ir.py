@@ -293,5 +293,12 @@ class NameGenerator:
                 self._taken.add(candidate)
                 return candidate
 
+    def unique(self, name: str) -> str:
+        """`name` itself when it is free, otherwise a fresh variant of it."""
+        if name and name not in self._taken:
+            self._taken.add(name)
+            return name
+        return self(name or "node")
+
     def reserve(self, name: str) -> None:
         self._taken.add(name)

@@ -143,7 +143,8 @@ def _div(node, a, b):
 
 
 def _mod(node, a, b):
-    if node.attr("fmod", 0) or a.dtype.kind == "f":
+    # fmod=1: C's fmod (sign of the dividend); fmod=0: Python's mod (sign of the divisor).
+    if node.attr("fmod", 0):
         return np.fmod(a, b)
     return np.mod(a, b)
 

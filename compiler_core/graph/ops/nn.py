@@ -161,7 +161,7 @@ def _avg_pool(node, inputs):
             [(0, 0), (0, 0)] + [(pads[i], pads[i + nsp]) for i in range(nsp)],
             constant_values=1,
         )
-        shifted = [0] * nsp
+        shifted = [0] * (2 * nsp)
     else:
         region = np.ones((1, 1, *x.shape[2:]))
         shifted = list(pads)

@@ -47,10 +47,14 @@ def _empty_aware(fn, identity):
 
 
 def _min_identity(dtype):
+    if dtype.kind == "b":
+        return True
     return np.inf if dtype.kind == "f" else np.iinfo(dtype).max
 
 
 def _max_identity(dtype):
+    if dtype.kind == "b":
+        return False
     return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 

@@ -1,0 +1,284 @@
+"""Each pass against the reference executor: the output graph computes what the input did,
+and has the expected shape (Before/Expected)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from compiler_core.frontend.onnx import import_model
+from compiler_core.graph.verify import verify
+from compiler_core.passes import (
+    eliminate_common_subexpressions,
+    eliminate_dead_code,
+    eliminate_identity,
+    fold_constants,
+    simplify_inference,
+)
+from compiler_core.passes.pipeline import PASS_NAMES, optimize, stages
+from compiler_core.reference import run_graph
+from tests.conftest import FLOAT, make_model, shared_model
+
+RNG = np.random.default_rng(7)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def feeds_for(graph):
+    return {n: rand(*graph.types[n].shape) for n in graph.inputs}
+
+
+def assert_same_function(before, after, rtol=1e-5, atol=1e-6):
+    verify(after)
+    feeds = feeds_for(before)
+    expected, actual = run_graph(before, feeds), run_graph(after, feeds)
+    assert list(after.outputs) == list(before.outputs), "output names must survive passes"
+    for name in before.outputs:
+        np.testing.assert_allclose(actual[name], expected[name], rtol=rtol, atol=atol)
+
+
+def conv_bn_model():
+    channels = 4
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+            helper.make_node(
+                "BatchNormalization", ["c", "s", "o", "m", "v"], ["y"], name="bn", epsilon=1e-3
+            ),
+        ],
+        [("x", FLOAT, [1, 3, 8, 8])],
+        [("y", FLOAT, [1, channels, 8, 8])],
+        {
+            "w": rand(channels, 3, 3, 3),
+            "b": rand(channels),
+            "s": rand(channels),
+            "o": rand(channels),
+            "m": rand(channels),
+            "v": np.abs(rand(channels)) + 0.5,
+        },
+    )
+
+
+def test_batchnorm_folds_into_conv():
+    before = import_model(conv_bn_model())
+    after = simplify_inference.run(before)
+    assert after.op_histogram() == {"Conv": 1}
+    assert_same_function(before, after)
+
+
+def test_batchnorm_folds_into_gemm():
+    model = make_model(
+        [
+            helper.make_node("Gemm", ["x", "w", "b"], ["g"], name="fc", transB=1, alpha=0.5),
+            helper.make_node("BatchNormalization", ["g", "s", "o", "m", "v"], ["y"], name="bn"),
+        ],
+        [("x", FLOAT, [2, 5])],
+        [("y", FLOAT, [2, 3])],
+        {
+            "w": rand(3, 5),
+            "b": rand(3),
+            "s": rand(3),
+            "o": rand(3),
+            "m": rand(3),
+            "v": np.abs(rand(3)) + 0.5,
+        },
+    )
+    before = import_model(model)
+    after = simplify_inference.run(before)
+    assert after.op_histogram() == {"Gemm": 1}
+    assert_same_function(before, after)
+
+
+def test_standalone_batchnorm_becomes_mul_add():
+    model = make_model(
+        [
+            helper.make_node("Relu", ["x"], ["r"], name="relu"),
+            helper.make_node("BatchNormalization", ["r", "s", "o", "m", "v"], ["y"], name="bn"),
+        ],
+        [("x", FLOAT, [1, 3, 4, 4])],
+        [("y", FLOAT, [1, 3, 4, 4])],
+        {"s": rand(3), "o": rand(3), "m": rand(3), "v": np.abs(rand(3)) + 0.5},
+    )
+    before = import_model(model)
+    after = simplify_inference.run(before)
+    assert after.op_histogram() == {"Add": 1, "Mul": 1, "Relu": 1}
+    assert_same_function(before, after)
+
+
+@pytest.mark.parametrize(
+    ("op", "constant", "survives"),
+    [
+        ("Mul", 1.0, False),
+        ("Add", 0.0, False),
+        ("Sub", 0.0, False),
+        ("Div", 1.0, False),
+        ("Mul", 2.0, True),
+    ],
+)
+def test_neutral_arithmetic_is_removed(op, constant, survives):
+    model = make_model(
+        [
+            helper.make_node("Relu", ["x"], ["r"], name="relu"),
+            helper.make_node(op, ["r", "k"], ["y"], name="arith"),
+        ],
+        [("x", FLOAT, [2, 3])],
+        [("y", FLOAT, [2, 3])],
+        {"k": np.full((3,), constant, np.float32)},
+    )
+    before = import_model(model)
+    after = eliminate_dead_code.run(simplify_inference.run(before))
+    assert (op in after.op_histogram()) == survives
+    assert_same_function(before, after)
+
+
+def test_neutral_arithmetic_that_broadcasts_is_kept():
+    model = make_model(
+        [helper.make_node("Mul", ["x", "k"], ["y"], name="arith")],
+        [("x", FLOAT, [3])],
+        [("y", FLOAT, [2, 3])],
+        {"k": np.ones((2, 3), np.float32)},
+    )
+    before = import_model(model)
+    after = simplify_inference.run(before)
+    assert after.op_histogram() == {"Mul": 1}
+
+
+def test_reshape_of_reshape_and_transpose_of_transpose_compose():
+    model = make_model(
+        [
+            helper.make_node("Reshape", ["x", "s1"], ["a"], name="r1"),
+            helper.make_node("Reshape", ["a", "s2"], ["b"], name="r2"),
+            helper.make_node("Transpose", ["b"], ["c"], name="t1", perm=[1, 0, 2]),
+            helper.make_node("Transpose", ["c"], ["y"], name="t2", perm=[0, 2, 1]),
+        ],
+        [("x", FLOAT, [4, 6])],
+        [("y", FLOAT, [3, 4, 2])],
+        {"s1": np.array([24], np.int64), "s2": np.array([2, 3, 4], np.int64)},
+    )
+    before = import_model(model)
+    after = optimize(before, stop_after="eliminate_dead_code")
+    assert after.op_histogram() == {"Reshape": 1, "Transpose": 1}
+    assert_same_function(before, after)
+
+
+def test_inverse_transposes_cancel():
+    model = make_model(
+        [
+            helper.make_node("Transpose", ["x"], ["a"], name="t1", perm=[1, 2, 0]),
+            helper.make_node("Transpose", ["a"], ["b"], name="t2", perm=[2, 0, 1]),
+            helper.make_node("Relu", ["b"], ["y"], name="relu"),
+        ],
+        [("x", FLOAT, [2, 3, 4])],
+        [("y", FLOAT, [2, 3, 4])],
+    )
+    before = import_model(model)
+    after = optimize(before, stop_after="eliminate_dead_code")
+    assert after.op_histogram() == {"Relu": 1}
+    assert_same_function(before, after)
+
+
+def test_constant_folding_matches_reference():
+    model = make_model(
+        [
+            helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
+            helper.make_node("Mul", ["wt", "k"], ["ws"], name="scale"),
+            helper.make_node("MatMul", ["x", "ws"], ["y"], name="mm"),
+        ],
+        [("x", FLOAT, [2, 4])],
+        [("y", FLOAT, [2, 3])],
+        {"w": rand(3, 4), "k": np.float32(2.0)},
+    )
+    before = import_model(model)
+    after = fold_constants.run(before)
+    assert after.op_histogram() == {"MatMul": 1}
+    folded = after.constants[after.nodes[0].inputs[1]]
+    np.testing.assert_array_equal(folded, before.constants["w"].T * 2.0)
+    assert_same_function(before, after)
+
+
+def test_constant_folding_reaches_graph_outputs():
+    model = make_model(
+        [helper.make_node("Shape", ["x"], ["y"], name="shape")],
+        [("x", FLOAT, [2, 5])],
+        [("y", helper.TensorProto.INT64, [2])],
+    )
+    after = fold_constants.run(import_model(model))
+    assert not after.nodes
+    assert after.constants["y"].tolist() == [2, 5]
+
+
+def test_encoder_shape_arithmetic_is_gone():
+    graph = optimize(import_model(shared_model("encoder4")))
+    ops = graph.op_histogram()
+    for op in ("Shape", "Concat", "Cast", "Mod", "ConstantOfShape", "Identity"):
+        assert op not in ops, f"{op} survived the pipeline: {ops}"
+    for node in graph.nodes:
+        if node.op == "Gather":
+            assert graph.types[node.inputs[0]].dtype == "float32", "Gather on a shape survived"
+
+
+def test_resnet18_has_no_batchnorm_or_identity_after_pipeline():
+    graph = optimize(import_model(shared_model("resnet18")))
+    assert "BatchNormalization" not in graph.op_histogram()
+    assert "Identity" not in graph.op_histogram()
+
+
+def test_common_subexpressions_merge():
+    model = make_model(
+        [
+            helper.make_node("Relu", ["x"], ["a"], name="relu1"),
+            helper.make_node("Relu", ["x"], ["b"], name="relu2"),
+            helper.make_node("Add", ["a", "k1"], ["c"], name="add1"),
+            helper.make_node("Add", ["b", "k2"], ["d"], name="add2"),
+            helper.make_node("Mul", ["c", "d"], ["y"], name="mul"),
+        ],
+        [("x", FLOAT, [4])],
+        [("y", FLOAT, [4])],
+        {"k1": np.arange(4, dtype=np.float32), "k2": np.arange(4, dtype=np.float32)},
+    )
+    before = import_model(model)
+    after = eliminate_dead_code.run(eliminate_common_subexpressions.run(before))
+    assert after.op_histogram() == {"Add": 1, "Mul": 1, "Relu": 1}
+    assert_same_function(before, after)
+
+
+def test_dead_code_is_dropped():
+    model = make_model(
+        [
+            helper.make_node("Relu", ["x"], ["y"], name="used"),
+            helper.make_node("Exp", ["x"], ["unused"], name="dead"),
+        ],
+        [("x", FLOAT, [4])],
+        [("y", FLOAT, [4])],
+    )
+    after = eliminate_dead_code.run(import_model(model))
+    assert [n.name for n in after.nodes] == ["used"]
+
+
+def test_identity_elimination_keeps_output_names():
+    model = make_model(
+        [
+            helper.make_node("Relu", ["x"], ["r"], name="relu"),
+            helper.make_node("Identity", ["r"], ["y"], name="id1"),
+            helper.make_node("Identity", ["x"], ["z"], name="id2"),
+        ],
+        [("x", FLOAT, [4])],
+        [("y", FLOAT, [4]), ("z", FLOAT, [4])],
+    )
+    before = import_model(model)
+    after = eliminate_identity.run(before)
+    # y is produced by the Relu directly; z must stay a copy of the input x.
+    assert after.producers["y"].op == "Relu"
+    assert after.producers["z"].op == "Identity"
+    assert_same_function(before, after)
+
+
+def test_pipeline_stages_can_be_dumped_by_name():
+    graph = import_model(conv_bn_model())
+    names = [name for name, _ in stages(graph)]
+    assert names == ["import", *PASS_NAMES]
+    with pytest.raises(ValueError, match="unknown pass"):
+        optimize(graph, stop_after="no_such_pass")
