@@ -76,14 +76,31 @@ def run(graph: Graph) -> Graph:
 
     fused = tuple(
         FusionGroup(
-            name=f"group_{i}_{(g.anchor or g.nodes[0])}",
-            nodes=tuple(g.nodes),
-            kind=g.anchor_kind if g.anchor_kind is not None else g.max_kind,
-            anchor=g.anchor,
+            name=f"group_{rank}_{(groups[g].anchor or groups[g].nodes[0])}",
+            nodes=tuple(groups[g].nodes),
+            kind=groups[g].anchor_kind if groups[g].anchor_kind is not None else groups[g].max_kind,
+            anchor=groups[g].anchor,
         )
-        for i, g in enumerate(groups)
+        for rank, g in enumerate(_execution_order(reads))
     )
     return graph.replace(groups=fused)
+
+
+def _execution_order(reads: list[set[int]]) -> list[int]:
+    """Groups in an order where every group comes after those it reads (creation order
+    otherwise): a residual Add joins an earlier conv's group yet reads a later one."""
+    order, done = [], set()
+    for root in range(len(reads)):
+        stack = [(root, False)]
+        while stack:  # iterative depth-first search: deep models exceed Python's recursion
+            g, expanded = stack.pop()
+            if expanded:
+                order.append(g)
+            elif g not in done:
+                done.add(g)
+                stack.append((g, True))
+                stack.extend((dep, False) for dep in sorted(reads[g], reverse=True))
+    return order
 
 
 def _choose_group(graph, node, kind, group_of, groups, reads) -> int | None:
@@ -107,8 +124,10 @@ def _choose_group(graph, node, kind, group_of, groups, reads) -> int | None:
         candidates.append(g)
     if not candidates:
         return None
-    # Prefer joining a heavy anchor's group (an epilogue), then the most recent group.
-    return max(candidates, key=lambda g: (groups[g].anchor_kind is not None, g))
+    # Prefer joining a heavy anchor's group (an epilogue), then the earliest operand: for a
+    # residual Add that is the main path's conv, not the shortcut's.
+    anchored = [g for g in candidates if groups[g].anchor_kind is not None]
+    return (anchored or candidates)[0]
 
 
 def _keeps_dag(graph, node, target, group_of, reads) -> bool:
