@@ -137,12 +137,18 @@ class KilnBackend(Backend):
             for name, a in zip(node.input, arrays, strict=False)
             if name
         ]
-        graph_outputs = [onnx.helper.make_empty_tensor_value_info(n) for n in node.output if n]
+        declared = graph_inputs[0].type.tensor_type.elem_type if graph_inputs else 1
+        graph_outputs = [
+            onnx.helper.make_tensor_value_info(n, declared, None) for n in node.output if n
+        ]
         opset = kwargs.get("opset_version", onnx.defs.onnx_opset_version())
         model = onnx.helper.make_model(
             onnx.helper.make_graph([node], "run_node", graph_inputs, graph_outputs),
             opset_imports=[onnx.helper.make_opsetid("", opset)],
         )
+        # The checker wants declared output types; ONNX's own inference supplies them (Kiln
+        # infers its own types on import regardless).
+        model = onnx.shape_inference.infer_shapes(model)
         feeds = {n: a for n, a in zip(node.input, arrays, strict=False) if n}
         return cls.run_model(model, feeds, device)
 

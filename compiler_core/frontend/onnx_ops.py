@@ -551,6 +551,13 @@ _CORE: dict[str, dict[int, Converter]] = {
 }
 
 
+def node_label(node: onnx.NodeProto) -> str:
+    """How errors name a node: its name, or what it produces when it has none."""
+    if node.name:
+        return f"node {node.name!r}"
+    return f"unnamed node producing {list(node.output)}"
+
+
 def _merge(*tables: dict[str, dict[int, Converter]]) -> dict[str, dict[int, Converter]]:
     merged: dict[str, dict[int, Converter]] = {}
     for table in tables:
@@ -582,12 +589,12 @@ def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:
     versions = CONVERTERS.get(node.op_type)
     if versions is None:
         raise UnsupportedError(
-            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) is not supported"
+            f"{node_label(node)}: operator {node.op_type} (opset {ctx.opset}) is not supported"
         )
     eligible = [v for v in versions if v <= ctx.opset]
     if not eligible:
         raise UnsupportedError(
-            f"node {node.name!r}: operator {node.op_type} at opset {ctx.opset} is not "
+            f"{node_label(node)}: operator {node.op_type} at opset {ctx.opset} is not "
             f"supported (Kiln converts it from opset {min(versions)})"
         )
     attrs = Attrs(node)
@@ -595,6 +602,6 @@ def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:
     unread = attrs.unread()
     if unread:
         raise UnsupportedError(
-            f"node {node.name!r}: operator {node.op_type} (opset {ctx.opset}) attribute(s) "
+            f"{node_label(node)}: operator {node.op_type} (opset {ctx.opset}) attribute(s) "
             f"{', '.join(unread)} not supported"
         )

@@ -1,0 +1,59 @@
+"""The kiln command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import shared_model
+
+
+def kiln(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "compiler_core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_inspect_prints_before_after_and_groups():
+    result = kiln("inspect", str(shared_model("resnet18")))
+    assert result.returncode == 0, result.stderr
+    assert "== imported:" in result.stdout
+    assert "== after the pipeline" in result.stdout
+    assert "Conv -> Add -> Relu" in result.stdout
+    assert "BatchNormalization" not in result.stdout.split("== after")[1]
+
+
+def test_inspect_can_stop_after_a_named_pass():
+    result = kiln("inspect", str(shared_model("encoder4")), "--after", "fold_constants")
+    assert result.returncode == 0, result.stderr
+    after = result.stdout.split("== after fold_constants")[1]
+    assert "= Shape(" not in after
+
+
+def test_verify_reports_agreement_with_onnxruntime():
+    result = kiln("verify", str(shared_model("mlp")), "--shape", "x=2,784")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "vs onnxruntime" in result.stdout and "ok" in result.stdout
+
+
+def test_missing_shape_binding_is_a_usage_error():
+    result = kiln("verify", str(shared_model("mlp")))
+    assert result.returncode == 2
+    assert "'batch'" in result.stderr
+
+
+def test_bad_shape_syntax_is_a_usage_error():
+    result = kiln("inspect", str(shared_model("mlp")), "--shape", "x:1x784")
+    assert result.returncode == 2
+    assert "NAME=D0,D1" in result.stderr
+
+
+def test_garbage_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "junk.onnx"
+    path.write_bytes(b"\x08\x07garbage" * 10)
+    result = kiln("inspect", str(path))
+    assert result.returncode == 2
+    assert "error" in result.stderr and "Traceback" not in result.stderr
