@@ -37,6 +37,7 @@ ONNX_TO_NUMPY = {
     TensorProto.FLOAT: "float32",
     TensorProto.DOUBLE: "float64",
     TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16",
     TensorProto.INT8: "int8",
     TensorProto.INT16: "int16",
     TensorProto.INT32: "int32",

@@ -16,6 +16,7 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so np.dtype("bfloat16") works
 import numpy as np
 
 # The element types the graph IR knows, by numpy name.
@@ -33,9 +34,10 @@ DTYPES = frozenset(
         "float16",
         "float32",
         "float64",
+        "bfloat16",
     }
 )
-FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32", "float64"})
 
 
 class OpKind(enum.IntEnum):

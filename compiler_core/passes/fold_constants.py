@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler_core.graph.ir import Graph, NameGenerator, TensorType
+from compiler_core.graph.ir import Graph
 from compiler_core.graph.ops import OP_TABLE
 
 # Folding that would materialize a huge tensor (an Expand of a scalar, say) is left to run time.
@@ -18,7 +18,6 @@ NAME = "fold_constants"
 
 def run(graph: Graph) -> Graph:
     constants = dict(graph.constants)
-    fresh = NameGenerator(graph.names())
     nodes = []
     for node in graph.nodes:
         opdef = OP_TABLE[node.op]
@@ -38,9 +37,4 @@ def run(graph: Graph) -> Graph:
         for name, value in zip(node.outputs, values, strict=False):
             if name:
                 constants[name] = np.asarray(value).astype(graph.types[name].dtype, copy=False)
-                fresh.reserve(name)
     return graph.replace(nodes=tuple(nodes), constants=constants)
-
-
-def folded_type(value: np.ndarray) -> TensorType:
-    return TensorType.of(value)

@@ -150,6 +150,8 @@ def _compare(expected: np.ndarray, actual: np.ndarray, rtol: float, atol: float)
         raise AssertionError(f"dtype {actual.dtype}, expected {expected.dtype}")
     if expected.shape != actual.shape:
         raise AssertionError(f"shape {actual.shape}, expected {expected.shape}")
+    if expected.dtype.name == "bfloat16":
+        expected, actual = expected.astype(np.float32), actual.astype(np.float32)
     if expected.dtype.kind in "fc":
         np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
     else:

@@ -227,7 +227,7 @@ def _gemm(node, inputs):
 
 def _einsum_rule(node, types):
     # Evaluated on zero-strided views: inputs are never allocated, only the (small) result.
-    views = [np.broadcast_to(np.zeros((), t.dtype), t.shape) for t in types]
+    views = [np.broadcast_to(np.zeros((), _einsum_dtype(t.dtype)), t.shape) for t in types]
     try:
         out = np.einsum(node.attr("equation"), *views)
     except ValueError as err:
@@ -235,8 +235,15 @@ def _einsum_rule(node, types):
     return [TensorType(np.shape(out), types[0].dtype)]
 
 
+def _einsum_dtype(dtype):
+    # numpy's einsum has no bfloat16 loops: compute those in float32.
+    return np.float32 if np.dtype(dtype).name == "bfloat16" else dtype
+
+
 def _einsum(node, inputs):
-    return [np.asarray(np.einsum(node.attr("equation"), *inputs))]
+    operands = [x.astype(_einsum_dtype(x.dtype), copy=False) for x in inputs]
+    out = np.einsum(node.attr("equation"), *operands)
+    return [np.asarray(out).astype(inputs[0].dtype, copy=False)]
 
 
 # --- normalizations ----------------------------------------------------------------------------
