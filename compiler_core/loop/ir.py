@@ -1,0 +1,331 @@
+"""Loop IR: typed buffers, loops with kinds, loads and stores, allocations, conditionals.
+
+One immutable node family per level: `Expr` for values (index arithmetic and data math),
+`Stmt` for effects. Every loop runs from 0 to `extent`. Python operators on expressions build
+IR, which is what tensor-expression bodies are written with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import numpy as np
+
+INDEX = "int64"
+
+
+class ForKind(enum.Enum):
+    SERIAL = "serial"
+    PARALLEL = "parallel"
+    VECTORIZED = "vectorized"
+    UNROLLED = "unrolled"
+    # GPU bindings (the GPU issue): a loop bound to blockIdx.x, threadIdx.x, ...
+    THREAD_BINDING = "thread_binding"
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A typed n-d array. `scope`: global (a kernel argument), local (registers/stack) or
+    workspace (carved from the module's preallocated workspace)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    scope: str = "global"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.scope not in ("global", "local", "workspace"):
+            raise ValueError(f"buffer {self.name!r}: unknown scope {self.scope!r}")
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __getitem__(self, indices) -> Load:
+        if not isinstance(indices, tuple):
+            indices = (indices,)
+        return Load(self, tuple(as_expr(i) for i in indices))
+
+
+# --- expressions -------------------------------------------------------------------------------
+
+
+class Expr:
+    """Base of every expression; subclasses are frozen dataclasses with a `dtype`."""
+
+    dtype: str
+
+    def _bin(self, op, other, swap=False):
+        other = as_expr(other, self.dtype if not isinstance(other, Expr) else None)
+        a, b = (other, self) if swap else (self, other)
+        return Binary(op, a, b)
+
+    def __add__(self, o):
+        return self._bin("add", o)
+
+    def __radd__(self, o):
+        return self._bin("add", o, swap=True)
+
+    def __sub__(self, o):
+        return self._bin("sub", o)
+
+    def __rsub__(self, o):
+        return self._bin("sub", o, swap=True)
+
+    def __mul__(self, o):
+        return self._bin("mul", o)
+
+    def __rmul__(self, o):
+        return self._bin("mul", o, swap=True)
+
+    def __truediv__(self, o):
+        return self._bin("div", o)
+
+    def __rtruediv__(self, o):
+        return self._bin("div", o, swap=True)
+
+    def __floordiv__(self, o):
+        return self._bin("floordiv", o)
+
+    def __mod__(self, o):
+        return self._bin("mod", o)
+
+    def __neg__(self):
+        return Unary("neg", self)
+
+    def __lt__(self, o):
+        return self._bin("lt", o)
+
+    def __le__(self, o):
+        return self._bin("le", o)
+
+    def __gt__(self, o):
+        return self._bin("gt", o)
+
+    def __ge__(self, o):
+        return self._bin("ge", o)
+
+    def equals(self, o):
+        """The IR comparison `self == o` (Python's == stays structural equality)."""
+        return self._bin("eq", o)
+
+
+@dataclasses.dataclass(frozen=True)
+class Var(Expr):
+    name: str
+    dtype: str = INDEX
+
+
+@dataclasses.dataclass(frozen=True)
+class Const(Expr):
+    value: Any
+    dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "value", np.dtype(self.dtype).type(self.value).item())
+
+
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+LOGICAL = ("and", "or")
+ARITHMETIC = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "pow")
+
+
+@dataclasses.dataclass(frozen=True)
+class Binary(Expr):
+    op: str
+    a: Expr
+    b: Expr
+
+    def __post_init__(self) -> None:
+        if self.op not in ARITHMETIC + COMPARISONS + LOGICAL:
+            raise ValueError(f"unknown binary operator {self.op!r}")
+
+    @property
+    def dtype(self) -> str:  # type: ignore[override]
+        return "bool" if self.op in COMPARISONS + LOGICAL else self.a.dtype
+
+
+# Math intrinsics the code generators map to LLVM intrinsics or libm calls.
+UNARY_OPS = (
+    "neg",
+    "not",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "tanh",
+    "erf",
+    "sigmoid",
+    "floor",
+    "ceil",
+    "round",
+    "sin",
+    "cos",
+    "rsqrt",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unary(Expr):
+    op: str
+    a: Expr
+
+    def __post_init__(self) -> None:
+        if self.op not in UNARY_OPS:
+            raise ValueError(f"unknown unary operator {self.op!r}")
+
+    @property
+    def dtype(self) -> str:  # type: ignore[override]
+        return self.a.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Select(Expr):
+    cond: Expr
+    a: Expr
+    b: Expr
+
+    @property
+    def dtype(self) -> str:  # type: ignore[override]
+        return self.a.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast(Expr):
+    dtype: str
+    a: Expr
+
+
+@dataclasses.dataclass(frozen=True)
+class Load(Expr):
+    buffer: Buffer
+    indices: tuple[Expr, ...]
+
+    @property
+    def dtype(self) -> str:  # type: ignore[override]
+        return self.buffer.dtype
+
+
+def as_expr(value, dtype: str | None = None) -> Expr:
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return Const(bool(value), "bool")
+    if isinstance(value, (int, np.integer)):
+        return Const(int(value), dtype if dtype and dtype != "bool" else INDEX)
+    if isinstance(value, (float, np.floating)):
+        return Const(float(value), dtype if dtype and np.dtype(dtype).kind == "f" else "float32")
+    raise TypeError(f"cannot make a loop-IR expression from {value!r}")
+
+
+def const(value, dtype: str) -> Const:
+    return Const(value, dtype)
+
+
+def minimum(a, b) -> Expr:
+    a = as_expr(a)
+    return Binary("min", a, as_expr(b, a.dtype))
+
+
+def maximum(a, b) -> Expr:
+    a = as_expr(a)
+    return Binary("max", a, as_expr(b, a.dtype))
+
+
+def select(cond, a, b) -> Expr:
+    a = as_expr(a)
+    return Select(as_expr(cond), a, as_expr(b, a.dtype))
+
+
+def cast(dtype: str, a) -> Expr:
+    return Cast(dtype, as_expr(a))
+
+
+def unary(op: str, a) -> Expr:
+    return Unary(op, as_expr(a))
+
+
+def logical_and(a, b) -> Expr:
+    return Binary("and", as_expr(a), as_expr(b))
+
+
+# --- statements --------------------------------------------------------------------------------
+
+
+class Stmt:
+    """Base of every statement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class For(Stmt):
+    var: Var
+    extent: int
+    body: Stmt
+    kind: ForKind = ForKind.SERIAL
+    binding: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extent", int(self.extent))
+
+
+@dataclasses.dataclass(frozen=True)
+class Store(Stmt):
+    buffer: Buffer
+    indices: tuple[Expr, ...]
+    value: Expr
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "indices", tuple(as_expr(i) for i in self.indices))
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocate(Stmt):
+    buffer: Buffer
+    body: Stmt
+
+
+@dataclasses.dataclass(frozen=True)
+class IfThenElse(Stmt):
+    cond: Expr
+    then: Stmt
+    otherwise: Stmt | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Block(Stmt):
+    stmts: tuple[Stmt, ...]
+
+    def __post_init__(self) -> None:
+        flat: list[Stmt] = []
+        for stmt in self.stmts:
+            flat.extend(stmt.stmts if isinstance(stmt, Block) else (stmt,))
+        object.__setattr__(self, "stmts", tuple(flat))
+
+
+def seq(*stmts: Stmt) -> Stmt:
+    block = Block(tuple(s for s in stmts if s is not None))
+    return block.stmts[0] if len(block.stmts) == 1 else block
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimFunc:
+    """One kernel: its buffer parameters (inputs then outputs) and its body."""
+
+    name: str
+    params: tuple[Buffer, ...]
+    body: Stmt
+
+    @property
+    def key(self) -> str:
+        import hashlib
+
+        from compiler_core.loop.printer import format_func
+
+        return hashlib.sha256(format_func(self).encode()).hexdigest()

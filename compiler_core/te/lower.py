@@ -1,0 +1,111 @@
+"""Tensor expressions -> loop IR: one naive loop nest per stage, in dependency order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from compiler_core.loop.ir import (
+    Allocate,
+    Binary,
+    Buffer,
+    Const,
+    Expr,
+    For,
+    Load,
+    PrimFunc,
+    Stmt,
+    Store,
+    Var,
+    seq,
+)
+from compiler_core.loop.transform import map_expr
+from compiler_core.te.tensor import Reduction, Tensor, TensorRead
+
+COMBINERS = {"sum": "add", "max": "max", "min": "min"}
+
+
+def _reads(expr: Expr) -> list[Tensor]:
+    found: list[Tensor] = []
+
+    def visit(e):
+        if isinstance(e, TensorRead) and e.tensor not in found:
+            found.append(e.tensor)
+
+    map_expr(expr.source if isinstance(expr, Reduction) else expr, lambda e: visit(e))
+    return found
+
+
+def stages_of(outputs: Sequence[Tensor]) -> list[Tensor]:
+    """Compute tensors reachable from `outputs`, producers before consumers."""
+    order: list[Tensor] = []
+    seen: set[int] = set()
+
+    def visit(t: Tensor) -> None:
+        if id(t) in seen or t.is_placeholder:
+            return
+        seen.add(id(t))
+        for dep in _reads(t.op.body):
+            visit(dep)
+        order.append(t)
+
+    for t in outputs:
+        visit(t)
+    return order
+
+
+def _to_loads(expr: Expr, buffers: dict[int, Buffer]) -> Expr:
+    def fn(e):
+        if isinstance(e, TensorRead):
+            if id(e.tensor) not in buffers:
+                raise ValueError(f"tensor {e.tensor.name!r} is read but is not an input")
+            return Load(buffers[id(e.tensor)], e.indices)
+        return None
+
+    return map_expr(expr, fn)
+
+
+def _nest(loops: Sequence[tuple[Var, int]], body: Stmt) -> Stmt:
+    for var, extent in reversed(loops):
+        body = For(var, extent, body)
+    return body
+
+
+def stage_nest(t: Tensor, buffers: dict[int, Buffer]) -> Stmt:
+    op = t.op
+    buf = buffers[id(t)]
+    spatial = list(zip(op.axes, t.shape, strict=True))
+    reduction = op.reduction
+    if reduction is None:
+        return _nest(spatial, Store(buf, op.axes, _to_loads(op.body, buffers)))
+    # Reduce axes are renamed per stage so that two stages never share a loop variable.
+    renamed = {a.var.name: Var(f"{t.name}_{a.var.name}") for a in reduction.axes}
+    source = map_expr(
+        reduction.source, lambda e: renamed.get(e.name) if isinstance(e, Var) else None
+    )
+    update = Store(
+        buf,
+        op.axes,
+        Binary(COMBINERS[reduction.combiner], Load(buf, op.axes), _to_loads(source, buffers)),
+    )
+    inner = _nest([(renamed[a.var.name], a.extent) for a in reduction.axes], update)
+    init = Store(buf, op.axes, Const(reduction.init, t.dtype))
+    return _nest(spatial, seq(init, inner))
+
+
+def lower(inputs: Sequence[Tensor], outputs: Sequence[Tensor], name: str = "kernel") -> PrimFunc:
+    buffers: dict[int, Buffer] = {}
+    for t in inputs:
+        if not t.is_placeholder:
+            raise ValueError(f"input {t.name!r} is not a placeholder")
+        buffers[id(t)] = Buffer(t.name, t.shape, t.dtype)
+    stages = stages_of(outputs)
+    output_ids = {id(t) for t in outputs}
+    for t in stages:
+        scope = "global" if id(t) in output_ids else "workspace"
+        buffers[id(t)] = Buffer(t.name, t.shape, t.dtype, scope)
+    body = seq(*[stage_nest(t, buffers) for t in stages])
+    for t in reversed(stages):
+        if id(t) not in output_ids:
+            body = Allocate(buffers[id(t)], body)
+    params = tuple(buffers[id(t)] for t in list(inputs) + list(outputs))
+    return PrimFunc(name, params, body)
