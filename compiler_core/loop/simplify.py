@@ -1,0 +1,117 @@
+"""Index-arithmetic simplification and affine analysis for loop IR.
+
+`simplify` folds constants and removes neutral terms (x*1, x+0, x*0, min/max of equal
+operands, floordiv/mod by 1); `affine` reads an integer expression as sum(c_v * v) + c0, which
+is what bound inference for compute_at and cache_write needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from compiler_core.loop.ir import INDEX, Binary, Const, Expr, PrimFunc, Stmt, Var
+from compiler_core.loop.transform import map_expr, map_stmt
+
+_FOLD = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "floordiv": lambda a, b: a // b,
+    "mod": lambda a, b: a % b,
+    "min": min,
+    "max": max,
+}
+
+
+def _is_const(e: Expr, value=None) -> bool:
+    return isinstance(e, Const) and (value is None or e.value == value)
+
+
+def _simplify_node(e: Expr) -> Expr | None:
+    if not isinstance(e, Binary) or e.dtype != INDEX:
+        return None
+    a, b, op = e.a, e.b, e.op
+    if _is_const(a) and _is_const(b) and op in _FOLD:
+        if op in ("floordiv", "mod") and b.value == 0:
+            return None
+        return Const(_FOLD[op](a.value, b.value), INDEX)
+    if op == "add":
+        if _is_const(a, 0):
+            return b
+        if _is_const(b, 0):
+            return a
+    if op == "sub" and _is_const(b, 0):
+        return a
+    if op == "mul":
+        if _is_const(a, 0) or _is_const(b, 0):
+            return Const(0, INDEX)
+        if _is_const(a, 1):
+            return b
+        if _is_const(b, 1):
+            return a
+    if op in ("floordiv",) and _is_const(b, 1):
+        return a
+    if op == "mod" and _is_const(b, 1):
+        return Const(0, INDEX)
+    if op in ("min", "max") and a == b:
+        return a
+    return None
+
+
+def simplify_expr(e: Expr) -> Expr:
+    return map_expr(e, _simplify_node)
+
+
+def simplify_stmt(s: Stmt) -> Stmt:
+    return map_stmt(s, _simplify_node)
+
+
+def simplify(func: PrimFunc) -> PrimFunc:
+    return PrimFunc(func.name, func.params, simplify_stmt(func.body))
+
+
+def affine(e: Expr) -> tuple[dict[str, int], int] | None:
+    """(coefficients by variable name, constant) when `e` is affine in integer variables."""
+    if isinstance(e, Const) and e.dtype == INDEX:
+        return {}, int(e.value)
+    if isinstance(e, Var):
+        return {e.name: 1}, 0
+    if not isinstance(e, Binary) or e.op not in ("add", "sub", "mul"):
+        return None
+    left, right = affine(e.a), affine(e.b)
+    if left is None or right is None:
+        return None
+    (ca, ka), (cb, kb) = left, right
+    if e.op in ("add", "sub"):
+        sign = 1 if e.op == "add" else -1
+        coeffs = dict(ca)
+        for name, c in cb.items():
+            coeffs[name] = coeffs.get(name, 0) + sign * c
+        return {k: v for k, v in coeffs.items() if v}, ka + sign * kb
+    if not ca:  # constant * affine
+        return {k: ka * v for k, v in cb.items() if ka * v}, ka * kb
+    if not cb:
+        return {k: kb * v for k, v in ca.items() if kb * v}, ka * kb
+    return None  # a product of variables is not affine
+
+
+def bounds(e: Expr, ranges: Mapping[str, int]) -> tuple[Expr, int] | None:
+    """For an affine `e`, the smallest value over the variables in `ranges` (each running over
+    0..extent-1) as an expression of the other variables, and the (constant) span width.
+    None when `e` is not affine."""
+    form = affine(e)
+    if form is None:
+        return None
+    coeffs, constant = form
+    low, width = constant, 1
+    outer: Expr = Const(0, INDEX)
+    for name, c in sorted(coeffs.items()):
+        if name in ranges:
+            span = c * (ranges[name] - 1)
+            low += min(0, span)
+            width += abs(span)
+        else:
+            term = Var(name) if c == 1 else Binary("mul", Const(c, INDEX), Var(name))
+            outer = Binary("add", outer, term)
+    start = simplify_expr(Binary("add", outer, Const(low, INDEX)))
+    return start, width
