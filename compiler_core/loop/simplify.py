@@ -27,9 +27,25 @@ def _is_const(e: Expr, value=None) -> bool:
     return isinstance(e, Const) and (value is None or e.value == value)
 
 
+def canonical(coeffs: Mapping[str, int], constant: int) -> Expr:
+    """sum(c_v * v) + c0 with variables in name order: equal forms print equally."""
+    result: Expr | None = None
+    for name in sorted(coeffs):
+        c = coeffs[name]
+        term = Var(name) if c == 1 else Binary("mul", Var(name), Const(c, INDEX))
+        result = term if result is None else Binary("add", result, term)
+    if result is None:
+        return Const(constant, INDEX)
+    return result if constant == 0 else Binary("add", result, Const(constant, INDEX))
+
+
 def _simplify_node(e: Expr) -> Expr | None:
     if not isinstance(e, Binary) or e.dtype != INDEX:
         return None
+    if e.op in ("add", "sub", "mul"):
+        form = affine(e)
+        if form is not None:
+            return canonical(*form)
     a, b, op = e.a, e.b, e.op
     if _is_const(a) and _is_const(b) and op in _FOLD:
         if op in ("floordiv", "mod") and b.value == 0:
@@ -115,3 +131,12 @@ def bounds(e: Expr, ranges: Mapping[str, int]) -> tuple[Expr, int] | None:
             outer = Binary("add", outer, term)
     start = simplify_expr(Binary("add", outer, Const(low, INDEX)))
     return start, width
+
+
+def max_value(e: Expr, ranges: Mapping[str, int]) -> int | None:
+    """The largest value of an affine `e` when every variable runs over 0..extent-1."""
+    form = affine(e)
+    if form is None or any(name not in ranges for name in form[0]):
+        return None
+    coeffs, constant = form
+    return constant + sum(max(0, c * (ranges[name] - 1)) for name, c in coeffs.items())

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from compiler_core.loop.ir import (
+    INDEX,
     Allocate,
     Binary,
     Buffer,
     Const,
     Expr,
     For,
+    IfThenElse,
     Load,
     PrimFunc,
     Stmt,
@@ -78,18 +80,21 @@ def stage_nest(t: Tensor, buffers: dict[int, Buffer]) -> Stmt:
     if reduction is None:
         return _nest(spatial, Store(buf, op.axes, _to_loads(op.body, buffers)))
     # Reduce axes are renamed per stage so that two stages never share a loop variable.
-    renamed = {a.var.name: Var(f"{t.name}_{a.var.name}") for a in reduction.axes}
+    renamed = {a.name: Var(f"{t.name}_{a.name}") for a in reduction.axes}
     source = map_expr(
         reduction.source, lambda e: renamed.get(e.name) if isinstance(e, Var) else None
     )
-    update = Store(
-        buf,
-        op.axes,
-        Binary(COMBINERS[reduction.combiner], Load(buf, op.axes), _to_loads(source, buffers)),
-    )
-    inner = _nest([(renamed[a.var.name], a.extent) for a in reduction.axes], update)
+    update = Binary(COMBINERS[reduction.combiner], Load(buf, op.axes), _to_loads(source, buffers))
+    # The initial value is stored on the first reduction step, inside the nest: the nest stays
+    # perfect, so any loop order is legal (every element still sees its first step first).
+    first = None
+    for var in renamed.values():
+        is_zero = Binary("eq", var, Const(0, INDEX))
+        first = is_zero if first is None else Binary("and", first, is_zero)
     init = Store(buf, op.axes, Const(reduction.init, t.dtype))
-    return _nest(spatial, seq(init, inner))
+    body = seq(IfThenElse(first, init), Store(buf, op.axes, update))
+    reduce_loops = [(renamed[a.name], a.extent) for a in reduction.axes]
+    return _nest(spatial + reduce_loops, body)
 
 
 def lower(inputs: Sequence[Tensor], outputs: Sequence[Tensor], name: str = "kernel") -> PrimFunc:

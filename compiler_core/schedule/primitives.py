@@ -1,0 +1,483 @@
+"""Schedule primitives as serializable records, applied to loop IR by one function.
+
+A schedule is a list of records (`Split("c_i0", 4)`, `Vectorize("c_i1_i")`, ...). `apply`
+replays them in order on a lowered function and raises `ScheduleError`, naming the record,
+for anything illegal. Loops are named by their variables; a split of `x` makes `x_o` and
+`x_i`, a fuse of `x` and `y` makes `x_y_f`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+
+from compiler_core.loop.ir import (
+    INDEX,
+    Allocate,
+    Binary,
+    Block,
+    Buffer,
+    Const,
+    Expr,
+    For,
+    ForKind,
+    IfThenElse,
+    Load,
+    PrimFunc,
+    Stmt,
+    Store,
+    Var,
+    seq,
+)
+from compiler_core.loop.simplify import bounds, max_value, simplify_stmt
+from compiler_core.loop.transform import (
+    find_loop,
+    map_stmt,
+    replace_stmt,
+    stmt_exprs,
+    substitute,
+    walk_exprs,
+    walk_stmts,
+)
+from compiler_core.loop.verify import verify
+
+
+class ScheduleError(ValueError):
+    """A schedule record that cannot be applied; says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    loop: str
+    factor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Reorder:
+    loops: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fuse:
+    outer: str
+    inner: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Vectorize:
+    loop: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Unroll:
+    loop: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    loop: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeInline:
+    stage: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeAt:
+    stage: str
+    loop: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheWrite:
+    """Accumulate the part of `stage` computed inside `loop` in a local buffer (registers),
+    and store it to memory once, after `loop`."""
+
+    stage: str
+    loop: str
+
+
+Record = (
+    Split
+    | Reorder
+    | Fuse
+    | Vectorize
+    | Unroll
+    | Parallel
+    | ComputeInline
+    | ComputeAt
+    | (CacheWrite)
+)
+RECORD_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Split,
+        Reorder,
+        Fuse,
+        Vectorize,
+        Unroll,
+        Parallel,
+        ComputeInline,
+        ComputeAt,
+        CacheWrite,
+    )
+}
+MAX_VECTOR_LANES = 64
+MAX_UNROLL = 256
+
+
+def to_json(schedule: Sequence[Record]) -> str:
+    return json.dumps([{"primitive": type(r).__name__, **dataclasses.asdict(r)} for r in schedule])
+
+
+def from_json(text: str) -> list[Record]:
+    records = []
+    for entry in json.loads(text):
+        entry = dict(entry)
+        kind = entry.pop("primitive", None)
+        if kind not in RECORD_TYPES:
+            raise ScheduleError(f"unknown schedule primitive {kind!r}")
+        if "loops" in entry:
+            entry["loops"] = tuple(entry["loops"])
+        records.append(RECORD_TYPES[kind](**entry))
+    return records
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _loop(func: PrimFunc, name: str, record) -> For:
+    loop = find_loop(func.body, name)
+    if loop is None:
+        loops = [s.var.name for s in walk_stmts(func.body) if isinstance(s, For)]
+        raise ScheduleError(f"{record}: no loop {name!r} (loops: {', '.join(loops)})")
+    return loop
+
+
+def _fresh_loop_name(func: PrimFunc, name: str, record) -> Var:
+    if find_loop(func.body, name) is not None:
+        raise ScheduleError(f"{record}: a loop named {name!r} already exists")
+    return Var(name)
+
+
+def _with_body(func: PrimFunc, body: Stmt) -> PrimFunc:
+    return PrimFunc(func.name, func.params, simplify_stmt(body))
+
+
+def _stores_depend_on(loop: For) -> bool:
+    """Every store inside `loop` writes an element that depends on the loop variable, so
+    iterations write disjoint elements (what parallel and vector execution need)."""
+    stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store)]
+    for store in stores:
+        names = {x.name for i in store.indices for x in walk_exprs(i) if isinstance(x, Var)}
+        if loop.var.name not in names:
+            return False
+    return bool(stores)
+
+
+def _loops_above(root: Stmt, target: Stmt) -> list[For] | None:
+    if root is target:
+        return []
+    children: Iterable[Stmt] = ()
+    if isinstance(root, Block):
+        children = root.stmts
+    elif isinstance(root, (For, Allocate)):
+        children = (root.body,)
+    elif isinstance(root, IfThenElse):
+        children = tuple(c for c in (root.then, root.otherwise) if c is not None)
+    for child in children:
+        path = _loops_above(child, target)
+        if path is not None:
+            return ([root] if isinstance(root, For) else []) + path
+    return None
+
+
+# --- primitives --------------------------------------------------------------------------------
+
+
+def split(func: PrimFunc, r: Split) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    if not r.factor >= 1:
+        raise ScheduleError(f"{r}: factor must be positive")
+    if r.factor > loop.extent:
+        raise ScheduleError(f"{r}: factor {r.factor} exceeds the extent {loop.extent}")
+    outer = _fresh_loop_name(func, f"{r.loop}_o", r)
+    inner = _fresh_loop_name(func, f"{r.loop}_i", r)
+    index = Binary("add", Binary("mul", outer, Const(r.factor, INDEX)), inner)
+    body = substitute(loop.body, {r.loop: index})
+    if loop.extent % r.factor:
+        body = IfThenElse(Binary("lt", index, Const(loop.extent, INDEX)), body)
+    outer_extent = -(-loop.extent // r.factor)
+    new = For(outer, outer_extent, For(inner, r.factor, body), loop.kind)
+    return _with_body(func, replace_stmt(func.body, loop, new))
+
+
+def _perfect_chain(top: For) -> list[For]:
+    chain = [top]
+    while isinstance(chain[-1].body, For):
+        chain.append(chain[-1].body)
+    return chain
+
+
+def reorder(func: PrimFunc, r: Reorder) -> PrimFunc:
+    loops = [_loop(func, name, r) for name in r.loops]
+    if len(set(r.loops)) != len(r.loops):
+        raise ScheduleError(f"{r}: a loop is named twice")
+    chains = [(_perfect_chain(loop), loop) for loop in loops]
+    top_chain = max(chains, key=lambda c: len(c[0]))[0]
+    names = [loop.var.name for loop in top_chain]
+    if not set(r.loops) <= set(names):
+        raise ScheduleError(f"{r}: the loops are not one perfect nest (nest: {names})")
+    slots = [i for i, name in enumerate(names) if name in r.loops]
+    by_name = {loop.var.name: loop for loop in top_chain}
+    order = list(top_chain)
+    for slot, name in zip(slots, r.loops, strict=True):
+        order[slot] = by_name[name]
+    body: Stmt = top_chain[-1].body
+    for loop in reversed(order):
+        body = For(loop.var, loop.extent, body, loop.kind, loop.binding)
+    return _with_body(func, replace_stmt(func.body, top_chain[0], body))
+
+
+def fuse(func: PrimFunc, r: Fuse) -> PrimFunc:
+    outer = _loop(func, r.outer, r)
+    inner = outer.body
+    if not isinstance(inner, For) or inner.var.name != r.inner:
+        raise ScheduleError(f"{r}: {r.inner!r} is not the loop directly inside {r.outer!r}")
+    fused = _fresh_loop_name(func, f"{r.outer}_{r.inner}_f", r)
+    extent = Const(inner.extent, INDEX)
+    body = substitute(
+        inner.body,
+        {r.outer: Binary("floordiv", fused, extent), r.inner: Binary("mod", fused, extent)},
+    )
+    new = For(fused, outer.extent * inner.extent, body, outer.kind)
+    return _with_body(func, replace_stmt(func.body, outer, new))
+
+
+def _annotate(func: PrimFunc, name: str, kind: ForKind, record) -> PrimFunc:
+    loop = _loop(func, name, record)
+    return _with_body(func, replace_stmt(func.body, loop, dataclasses.replace(loop, kind=kind)))
+
+
+def vectorize(func: PrimFunc, r: Vectorize) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    if any(isinstance(s, For) for s in walk_stmts(loop.body)):
+        raise ScheduleError(f"{r}: only an innermost loop can be vectorized")
+    if loop.extent > MAX_VECTOR_LANES:
+        raise ScheduleError(f"{r}: {loop.extent} lanes exceed {MAX_VECTOR_LANES}; split first")
+    if not _stores_depend_on(loop):
+        raise ScheduleError(f"{r}: iterations write the same element (a reduction loop)")
+    return _annotate(func, r.loop, ForKind.VECTORIZED, r)
+
+
+def unroll(func: PrimFunc, r: Unroll) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    if loop.extent > MAX_UNROLL:
+        raise ScheduleError(f"{r}: extent {loop.extent} is too large to unroll (> {MAX_UNROLL})")
+    return _annotate(func, r.loop, ForKind.UNROLLED, r)
+
+
+def parallel(func: PrimFunc, r: Parallel) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    path = _loops_above(func.body, loop) or []
+    if any(outer.kind == ForKind.PARALLEL for outer in path) or any(
+        isinstance(s, For) and s.kind == ForKind.PARALLEL for s in walk_stmts(loop.body)
+    ):
+        raise ScheduleError(f"{r}: parallel loops cannot nest")
+    if not _stores_depend_on(loop):
+        raise ScheduleError(f"{r}: iterations write the same element (a reduction loop)")
+    return _annotate(func, r.loop, ForKind.PARALLEL, r)
+
+
+def _stage_buffer(func: PrimFunc, stage: str, record) -> tuple[Buffer, list[Store]]:
+    stores = [s for s in walk_stmts(func.body) if isinstance(s, Store) and s.buffer.name == stage]
+    if not stores:
+        raise ScheduleError(f"{record}: no stage named {stage!r}")
+    return stores[0].buffer, stores
+
+
+def _stage_nest(func: PrimFunc, buffer: Buffer, record) -> For:
+    """The outermost loop of the stage's own nest (it writes `buffer` and nothing else)."""
+    body = func.body
+    while isinstance(body, Allocate):
+        body = body.body
+    for stmt in body.stmts if isinstance(body, Block) else (body,):
+        writes = {s.buffer for s in walk_stmts(stmt) if isinstance(s, Store)}
+        if buffer in writes:
+            own = {buffer} | {s.buffer for s in walk_stmts(stmt) if isinstance(s, Allocate)}
+            if not writes <= own or not isinstance(stmt, For):
+                raise ScheduleError(
+                    f"{record}: stage {buffer.name!r} is not a loop nest of its own"
+                )
+            return stmt
+    raise ScheduleError(f"{record}: stage {buffer.name!r} is not at the top level")
+
+
+def _remove_allocation(body: Stmt, buffer: Buffer) -> Stmt:
+    def drop(s):
+        return s.body if isinstance(s, Allocate) and s.buffer == buffer else None
+
+    return map_stmt(body, stmt_fn=drop)
+
+
+def compute_inline(func: PrimFunc, r: ComputeInline) -> PrimFunc:
+    buffer, stores = _stage_buffer(func, r.stage, r)
+    if buffer.scope == "global":
+        raise ScheduleError(f"{r}: {r.stage!r} is a function output and cannot be inlined")
+    if len(stores) != 1:
+        raise ScheduleError(f"{r}: {r.stage!r} is a reduction; only pure stages inline")
+    (store,) = stores
+    index_vars = [i.name for i in store.indices if isinstance(i, Var)]
+    if len(index_vars) != len(store.indices) or len(set(index_vars)) != len(index_vars):
+        raise ScheduleError(f"{r}: {r.stage!r} must store at its plain loop indices")
+    if any(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(store.value)):
+        raise ScheduleError(f"{r}: {r.stage!r} reads itself")
+    nest = _stage_nest(func, buffer, r)
+
+    def inline(e: Expr):
+        if isinstance(e, Load) and e.buffer == buffer:
+            return substitute(store.value, dict(zip(index_vars, e.indices, strict=True)))
+        return None
+
+    body = replace_stmt(func.body, nest, Block(()))
+    body = map_stmt(body, inline)
+    return _with_body(func, _remove_allocation(body, buffer))
+
+
+def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
+    """(start expressions, extents) of `buffer` touched inside `loop`, per dimension."""
+    accesses: list[tuple[Expr, ...]] = []
+    for stmt in walk_stmts(loop.body):
+        if isinstance(stmt, Store) and stmt.buffer == buffer:
+            accesses.append(stmt.indices)
+        for e in stmt_exprs(stmt):
+            accesses += [
+                x.indices for x in walk_exprs(e) if isinstance(x, Load) and x.buffer == buffer
+            ]
+    starts, extents = [], []
+    for dim, size in enumerate(buffer.shape):
+        spans = [bounds(idx[dim], inner_ranges) for idx in accesses]
+        if not spans or any(s is None for s in spans) or len({str(s[0]) for s in spans}) > 1:
+            starts.append(Const(0, INDEX))  # not affine, or several bases: the whole dimension
+            extents.append(size)
+        else:
+            starts.append(spans[0][0])
+            extents.append(min(max(s[1] for s in spans), size))
+    return starts, extents
+
+
+def _needs_guard(start: Expr, extent: int, size: int, ranges: dict[str, int]) -> bool:
+    """Whether start + (0..extent-1) can run past `size` for some values of the loops."""
+    largest = max_value(start, ranges)
+    return largest is None or largest + extent > size
+
+
+def _enclosing_ranges(func: PrimFunc, loop: For) -> dict[str, int]:
+    path = _loops_above(func.body, loop) or []
+    return {outer.var.name: outer.extent for outer in path}
+
+
+def _inner_ranges(loop: For) -> dict[str, int]:
+    ranges = {loop.var.name: loop.extent}
+    ranges.update({s.var.name: s.extent for s in walk_stmts(loop.body) if isinstance(s, For)})
+    return ranges
+
+
+def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
+    buffer, _ = _stage_buffer(func, r.stage, r)
+    if buffer.scope == "global":
+        raise ScheduleError(f"{r}: {r.stage!r} is a function output; compute it at its own place")
+    nest = _stage_nest(func, buffer, r)
+    target = _loop(func, r.loop, r)
+    if find_loop(nest, r.loop) is not None:
+        raise ScheduleError(f"{r}: {r.loop!r} belongs to {r.stage!r} itself")
+    inner = {s.var.name: s.extent for s in walk_stmts(target.body) if isinstance(s, For)}
+    starts, extents = _region(target, buffer, inner)
+    spatial = _perfect_chain(nest)[: len(buffer.shape)]
+    (store,) = [s for s in walk_stmts(nest) if isinstance(s, Store) and s.buffer == buffer][-1:]
+    if [loop.var for loop in spatial] != list(store.indices):
+        raise ScheduleError(f"{r}: apply compute_at before transforming {r.stage!r}'s loops")
+    ranges = _enclosing_ranges(func, target) | {target.var.name: target.extent}
+    mapping, guards, loops = {}, [], []
+    for loop, start, extent, size in zip(spatial, starts, extents, buffer.shape, strict=True):
+        local = Var(f"{loop.var.name}_at")
+        index = Binary("add", start, local)
+        mapping[loop.var.name] = index
+        loops.append((local, extent))
+        if _needs_guard(start, extent, size, ranges):
+            guards.append(Binary("lt", index, Const(size, INDEX)))
+    body = substitute(spatial[-1].body, mapping)
+    for guard in guards:
+        body = IfThenElse(guard, body)
+    for local, extent in reversed(loops):
+        body = For(local, extent, body)
+    moved = dataclasses.replace(target, body=seq(body, target.body))
+    new_body = replace_stmt(func.body, target, moved)
+    new_body = replace_stmt(new_body, nest, Block(()))
+    return _with_body(func, new_body)
+
+
+def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
+    buffer, _ = _stage_buffer(func, r.stage, r)
+    target = _loop(func, r.loop, r)
+    writes = {s.buffer for s in walk_stmts(target.body) if isinstance(s, Store)}
+    if writes != {buffer}:
+        raise ScheduleError(f"{r}: {r.loop!r} must contain only {r.stage!r}'s computation")
+    # The local buffer covers everything the stage writes over the whole of `loop`.
+    starts, extents = _region(target, buffer, _inner_ranges(target))
+    local = Buffer(f"{buffer.name}_local", tuple(extents), buffer.dtype, "local")
+
+    def offset(indices: tuple[Expr, ...]) -> tuple[Expr, ...]:
+        return tuple(Binary("sub", i, s) for i, s in zip(indices, starts, strict=True))
+
+    def redirect_expr(e: Expr):
+        if isinstance(e, Load) and e.buffer == buffer:
+            return Load(local, offset(e.indices))
+        return None
+
+    def redirect_stmt(s: Stmt):
+        if isinstance(s, Store) and s.buffer == buffer:
+            return Store(local, offset(s.indices), s.value)
+        return None
+
+    computed = map_stmt(target, redirect_expr, redirect_stmt)
+    copy_vars = [Var(f"{buffer.name}_wb{d}") for d in range(len(extents))]
+    index = tuple(Binary("add", s, v) for s, v in zip(starts, copy_vars, strict=True))
+    copy: Stmt = Store(buffer, index, Load(local, tuple(copy_vars)))
+    ranges = _enclosing_ranges(func, target)
+    guards = [
+        Binary("lt", i, Const(size, INDEX))
+        for i, s, e, size in zip(index, starts, extents, buffer.shape, strict=True)
+        if _needs_guard(s, e, size, ranges)
+    ]
+    for guard in guards:
+        copy = IfThenElse(guard, copy)
+    for var, extent in reversed(list(zip(copy_vars, extents, strict=True))):
+        copy = For(var, extent, copy)
+    new = Allocate(local, seq(computed, copy))
+    return _with_body(func, replace_stmt(func.body, target, new))
+
+
+PRIMITIVES = {
+    Split: split,
+    Reorder: reorder,
+    Fuse: fuse,
+    Vectorize: vectorize,
+    Unroll: unroll,
+    Parallel: parallel,
+    ComputeInline: compute_inline,
+    ComputeAt: compute_at,
+    CacheWrite: cache_write,
+}
+
+
+def apply(func: PrimFunc, schedule: Sequence[Record]) -> PrimFunc:
+    """Replay `schedule` on `func`; the result is verified after every record."""
+    for record in schedule:
+        handler = PRIMITIVES.get(type(record))
+        if handler is None:
+            raise ScheduleError(f"not a schedule record: {record!r}")
+        func = verify(handler(func, record))
+    return func
