@@ -146,18 +146,23 @@ def find_loop(s: Stmt, name: str) -> For | None:
 def replace_stmt(root: Stmt, target: Stmt, replacement: Stmt) -> Stmt:
     """Replace the statement `target` (by identity) inside `root`."""
 
+    # Unchanged subtrees are returned as they are, so other statements keep their identity.
     def rebuild(s: Stmt) -> Stmt:
         if s is target:
             return replacement
         if isinstance(s, Block):
-            return Block(tuple(rebuild(x) for x in s.stmts))
-        if isinstance(s, For):
-            return dataclasses.replace(s, body=rebuild(s.body))
-        if isinstance(s, Allocate):
-            return Allocate(s.buffer, rebuild(s.body))
+            stmts = tuple(rebuild(x) for x in s.stmts)
+            changed = any(a is not b for a, b in zip(stmts, s.stmts, strict=True))
+            return Block(stmts) if changed else s
+        if isinstance(s, (For, Allocate)):
+            body = rebuild(s.body)
+            return s if body is s.body else dataclasses.replace(s, body=body)
         if isinstance(s, IfThenElse):
+            then = rebuild(s.then)
             otherwise = rebuild(s.otherwise) if s.otherwise is not None else None
-            return IfThenElse(s.cond, rebuild(s.then), otherwise)
+            if then is s.then and otherwise is s.otherwise:
+                return s
+            return IfThenElse(s.cond, then, otherwise)
         return s
 
     return rebuild(root)

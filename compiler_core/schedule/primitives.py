@@ -393,6 +393,13 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
     target = _loop(func, r.loop, r)
     if find_loop(nest, r.loop) is not None:
         raise ScheduleError(f"{r}: {r.loop!r} belongs to {r.stage!r} itself")
+    if not any(
+        isinstance(x, Load) and x.buffer == buffer
+        for s in walk_stmts(target.body)
+        for e in stmt_exprs(s)
+        for x in walk_exprs(e)
+    ):
+        raise ScheduleError(f"{r}: nothing inside {r.loop!r} reads {r.stage!r}")
     inner = {s.var.name: s.extent for s in walk_stmts(target.body) if isinstance(s, For)}
     starts, extents = _region(target, buffer, inner)
     spatial = _perfect_chain(nest)[: len(buffer.shape)]

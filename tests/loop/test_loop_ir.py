@@ -1,0 +1,122 @@
+"""Loop IR: lowering from tensor expressions, the interpreter against numpy, the verifier, the
+simplifier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compiler_core import te
+from compiler_core.loop import interpreter
+from compiler_core.loop.ir import INDEX, Buffer, Const, For, PrimFunc, Store, Var, maximum
+from compiler_core.loop.printer import format_func
+from compiler_core.loop.simplify import affine, bounds, simplify_expr
+from compiler_core.loop.verify import LoopVerificationError, verify
+
+RNG = np.random.default_rng(11)
+
+
+def matmul_bias_relu(m=4, k=5, n=6):
+    a = te.placeholder((m, k), "float32", "a")
+    b = te.placeholder((k, n), "float32", "b")
+    bias = te.placeholder((n,), "float32", "bias")
+    kk = te.reduce_axis(k, "kk")
+    c = te.compute((m, n), lambda i, j: te.reduce_sum(a[i, kk] * b[kk, j], kk), "c")
+    d = te.compute((m, n), lambda i, j: _relu(c[i, j] + bias[j]), "d")
+    return te.lower([a, b, bias], [d], "matmul_bias_relu")
+
+
+def _relu(x):
+    return maximum(x, Const(0.0, "float32"))
+
+
+def run_matmul(func, m=4, k=5, n=6):
+    a = RNG.standard_normal((m, k)).astype(np.float32)
+    b = RNG.standard_normal((k, n)).astype(np.float32)
+    bias = RNG.standard_normal(n).astype(np.float32)
+    out = np.zeros((m, n), np.float32)
+    interpreter.run(func, {"a": a, "b": b, "bias": bias, "d": out})
+    return out, np.maximum(a @ b + bias, 0)
+
+
+def test_lowered_matmul_matches_numpy():
+    func = verify(matmul_bias_relu())
+    out, expected = run_matmul(func)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_printer_shows_loops_and_stores():
+    text = format_func(matmul_bias_relu())
+    assert "func matmul_bias_relu(float32 a[4, 5], float32 b[5, 6], float32 bias[6]" in text
+    assert "alloc workspace float32 c[4, 6]" in text
+    assert "for c_kk in 0..5:" in text
+
+
+def test_reduction_max_and_elementwise_chain():
+    x = te.placeholder((3, 8), "float32", "x")
+    k = te.reduce_axis(8, "k")
+    row_max = te.compute((3,), lambda i: te.reduce_max(x[i, k], k), "row_max")
+    func = verify(te.lower([x], [row_max], "row_max"))
+    data = RNG.standard_normal((3, 8)).astype(np.float32)
+    out = np.zeros(3, np.float32)
+    interpreter.run(func, {"x": data, "row_max": out})
+    np.testing.assert_array_equal(out, data.max(axis=1))
+
+
+def test_interpreter_refuses_wrong_arguments():
+    func = matmul_bias_relu()
+    with pytest.raises(ValueError, match="no array for parameter 'b'"):
+        interpreter.run(func, {"a": np.zeros((4, 5), np.float32)})
+    args = {
+        "a": np.zeros((4, 5), np.float32),
+        "b": np.zeros((5, 6), np.float32),
+        "bias": np.zeros(6, np.float64),
+        "d": np.zeros((4, 6), np.float32),
+    }
+    with pytest.raises(ValueError, match="float64"):
+        interpreter.run(func, args)
+
+
+def test_verifier_catches_unbound_variable():
+    out = Buffer("out", (4,), "float32")
+    body = For(Var("i"), 4, Store(out, (Var("j"),), Const(1.0, "float32")))
+    with pytest.raises(LoopVerificationError) as info:
+        verify(PrimFunc("bad", (out,), body))
+    assert info.value.check == "vars_bound"
+
+
+def test_verifier_catches_wrong_rank_and_type():
+    out = Buffer("out", (4, 4), "float32")
+    body = For(Var("i"), 4, Store(out, (Var("i"),), Const(1.0, "float32")))
+    with pytest.raises(LoopVerificationError) as info:
+        verify(PrimFunc("bad", (out,), body))
+    assert info.value.check == "index_ranks"
+    body = For(Var("i"), 4, Store(out, (Var("i"), Var("i")), Const(1, "int64")))
+    with pytest.raises(LoopVerificationError) as info:
+        verify(PrimFunc("bad", (out,), body))
+    assert info.value.check == "store_types"
+
+
+def test_verifier_catches_unallocated_buffer():
+    out = Buffer("out", (4,), "float32")
+    tmp = Buffer("tmp", (4,), "float32", "local")
+    body = For(Var("i"), 4, Store(out, (Var("i"),), tmp[Var("i")]))
+    with pytest.raises(LoopVerificationError) as info:
+        verify(PrimFunc("bad", (out,), body))
+    assert info.value.check == "buffers_in_scope"
+
+
+def test_simplifier_cancels_affine_terms():
+    i, o = Var("i"), Var("o")
+    e = (o * 2 + i) - o * 2
+    assert simplify_expr(e) == i
+    assert simplify_expr(i * 1 + 0) == i
+    assert simplify_expr(Const(3, INDEX) * Const(4, INDEX)) == Const(12, INDEX)
+    assert affine(o * 4 + i * 2 + 3) == ({"o": 4, "i": 2}, 3)
+    assert affine(o * i) is None
+
+
+def test_bounds_of_an_affine_index():
+    o, i = Var("o"), Var("i")
+    start, width = bounds(o * 4 + i, {"i": 4})
+    assert width == 4 and simplify_expr(start) == simplify_expr(o * 4)
