@@ -169,7 +169,8 @@ def _with_body(func: PrimFunc, body: Stmt) -> PrimFunc:
 def _stores_depend_on(loop: For) -> bool:
     """Every store inside `loop` writes an element that depends on the loop variable, so
     iterations write disjoint elements (what parallel and vector execution need)."""
-    stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store)]
+    private = {s.buffer for s in walk_stmts(loop.body) if isinstance(s, Allocate)}
+    stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store) and s.buffer not in private]
     for store in stores:
         names = {x.name for i in store.indices for x in walk_exprs(i) if isinstance(x, Var)}
         if loop.var.name not in names:

@@ -1,0 +1,572 @@
+"""Loop IR -> LLVM IR (llvmlite), for x86 CPUs.
+
+Every `PrimFunc` becomes `void name(ptr p0, ptr p1, ...)` over its buffers (row-major, dense).
+The renderer follows the loop kinds the schedule chose and decides nothing itself:
+
+- serial loops become counted loops; unrolled loops are emitted once per iteration;
+- a vectorized loop of L iterations is emitted once, on <L x T> values: an access whose flat
+  index moves by one per lane becomes a vector load/store, one that does not move becomes a
+  scalar broadcast, anything else is assembled lane by lane;
+- a parallel loop is outlined into a worker that OpenMP's runtime (`GOMP_parallel`) runs on
+  its thread pool, each thread taking one contiguous chunk;
+- local buffers are stack arrays (LLVM promotes fully unrolled tiles to registers), workspace
+  buffers are heap blocks.
+
+Float arithmetic carries the `contract` fast-math flag, so multiply-adds fuse into FMAs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import llvmlite.ir as ir
+import numpy as np
+
+from compiler_core.loop.ir import (
+    INDEX,
+    Allocate,
+    Binary,
+    Block,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    ForKind,
+    IfThenElse,
+    Load,
+    PrimFunc,
+    Select,
+    Stmt,
+    Store,
+    Unary,
+    Var,
+)
+from compiler_core.loop.simplify import affine
+from compiler_core.loop.transform import stmt_exprs, walk_exprs, walk_stmts
+from compiler_core.target import Target
+
+
+class CodegenError(ValueError):
+    """A loop-IR construct the LLVM renderer has no rule for (names it)."""
+
+
+PTR = ir.PointerType()
+I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+SCALAR_TYPES = {
+    "float32": ir.FloatType(),
+    "float64": ir.DoubleType(),
+    "int64": I64,
+    "int32": I32,
+    "int8": I8,
+    "uint8": I8,
+    "bool": I8,  # in memory; i1 in registers
+}
+FAST_MATH = ("contract",)
+LLVM_INTRINSICS = {
+    "exp": "llvm.exp",
+    "log": "llvm.log",
+    "sqrt": "llvm.sqrt",
+    "abs": "llvm.fabs",
+    "floor": "llvm.floor",
+    "ceil": "llvm.ceil",
+    "round": "llvm.roundeven",
+    "sin": "llvm.sin",
+    "cos": "llvm.cos",
+}
+LIBM = {
+    "tanh": {"float32": "tanhf", "float64": "tanh"},
+    "erf": {"float32": "erff", "float64": "erf"},
+}
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype in ("float32", "float64")
+
+
+def _align(dtype: str) -> int:
+    """Vector accesses are only element-aligned: buffers carry no stronger promise."""
+    return np.dtype(dtype).itemsize
+
+
+def _register_type(dtype: str) -> ir.Type:
+    return I1 if dtype == "bool" else SCALAR_TYPES[dtype]
+
+
+def _suffix(ty: ir.Type) -> str:
+    if isinstance(ty, ir.VectorType):
+        return f"v{ty.count}{_suffix(ty.element)}"
+    return {"float": "f32", "double": "f64"}[str(ty)]
+
+
+@dataclasses.dataclass
+class _Scope:
+    values: dict[str, ir.Value]  # loop variables (i64 or <L x i64>)
+    buffers: dict[Buffer, ir.Value]  # base pointers
+    lanes: int = 1
+    vector_var: str | None = None
+
+
+class FunctionEmitter:
+    """Renders one PrimFunc into an llvmlite module."""
+
+    def __init__(self, module: ir.Module, func: PrimFunc):
+        self.module = module
+        self.func = func
+        self._worker_count = 0
+
+    # --- module-level helpers -------------------------------------------------------------
+
+    def _declare(self, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> ir.Function:
+        existing = self.module.globals.get(name)
+        if existing is not None:
+            return existing
+        return ir.Function(self.module, ir.FunctionType(ret, list(args)), name=name)
+
+    def _intrinsic(self, name: str, ty: ir.Type) -> ir.Function:
+        return self._declare(f"{name}.{_suffix(ty)}", ty, [ty])
+
+    # --- entry ----------------------------------------------------------------------------
+
+    def emit(self) -> ir.Function:
+        fn_type = ir.FunctionType(ir.VoidType(), [PTR] * len(self.func.params))
+        fn = ir.Function(self.module, fn_type, name=self.func.name)
+        for arg in fn.args:
+            arg.add_attribute("noalias")
+        scope = _Scope({}, dict(zip(self.func.params, fn.args, strict=True)))
+        self._body(fn, scope, self.func.body, finish=True)
+        return fn
+
+    def _body(self, fn: ir.Function, scope: _Scope, body: Stmt, finish: bool) -> ir.IRBuilder:
+        entry = fn.append_basic_block("entry")
+        self.entry_builder = ir.IRBuilder(entry)
+        start = fn.append_basic_block("start")
+        builder = ir.IRBuilder(start)
+        self._stmt(builder, scope, body)
+        if finish:
+            builder.ret_void()
+        self.entry_builder.branch(start)
+        return builder
+
+    # --- statements -----------------------------------------------------------------------
+
+    def _stmt(self, b: ir.IRBuilder, scope: _Scope, s: Stmt) -> None:
+        if isinstance(s, Block):
+            for child in s.stmts:
+                self._stmt(b, scope, child)
+        elif isinstance(s, For):
+            self._for(b, scope, s)
+        elif isinstance(s, Store):
+            self._store(b, scope, s)
+        elif isinstance(s, Allocate):
+            self._allocate(b, scope, s)
+        elif isinstance(s, IfThenElse):
+            self._if(b, scope, s)
+        else:
+            raise CodegenError(f"no LLVM rule for statement {type(s).__name__}")
+
+    def _for(self, b: ir.IRBuilder, scope: _Scope, loop: For) -> None:
+        if loop.kind == ForKind.PARALLEL:
+            self._parallel(b, scope, loop)
+        elif loop.kind == ForKind.UNROLLED:
+            for i in range(loop.extent):
+                inner = dataclasses.replace(scope, values={**scope.values, loop.var.name: I64(i)})
+                self._stmt(b, inner, loop.body)
+        elif loop.kind == ForKind.VECTORIZED and self._vectorizable(loop):
+            lanes = ir.Constant(ir.VectorType(I64, loop.extent), list(range(loop.extent)))
+            inner = dataclasses.replace(
+                scope,
+                values={**scope.values, loop.var.name: lanes},
+                lanes=loop.extent,
+                vector_var=loop.var.name,
+            )
+            self._stmt(b, inner, loop.body)
+        elif loop.kind == ForKind.VECTORIZED:  # lane-dependent control flow: one lane at a time
+            for i in range(loop.extent):
+                inner = dataclasses.replace(scope, values={**scope.values, loop.var.name: I64(i)})
+                self._stmt(b, inner, loop.body)
+        else:
+            self._counted_loop(b, scope, loop, I64(0), I64(loop.extent))
+
+    def _counted_loop(self, b, scope, loop: For, start, stop) -> None:
+        fn = b.function
+        header = fn.append_basic_block(f"{loop.var.name}.header")
+        body = fn.append_basic_block(f"{loop.var.name}.body")
+        exit_ = fn.append_basic_block(f"{loop.var.name}.exit")
+        before = b.block
+        b.branch(header)
+        b.position_at_end(header)
+        index = b.phi(I64, name=loop.var.name)
+        index.add_incoming(start, before)
+        b.cbranch(b.icmp_signed("<", index, stop), body, exit_)
+        b.position_at_end(body)
+        inner = dataclasses.replace(scope, values={**scope.values, loop.var.name: index})
+        self._stmt(b, inner, loop.body)
+        index.add_incoming(b.add(index, I64(1), flags=("nsw",)), b.block)
+        b.branch(header)
+        b.position_at_end(exit_)
+
+    def _vectorizable(self, loop: For) -> bool:
+        for s in walk_stmts(loop.body):
+            if isinstance(s, IfThenElse) and self._depends_on(s.cond, loop.var.name):
+                return False
+        return True
+
+    @staticmethod
+    def _depends_on(e: Expr, name: str) -> bool:
+        return any(isinstance(x, Var) and x.name == name for x in walk_exprs(e))
+
+    def _if(self, b: ir.IRBuilder, scope: _Scope, s: IfThenElse) -> None:
+        cond = self._expr(b, scope, s.cond)
+        if isinstance(cond.type, ir.VectorType):
+            raise CodegenError("a lane-dependent condition reached the vector emitter")
+        if s.otherwise is None:
+            with b.if_then(cond):
+                self._stmt(b, scope, s.then)
+        else:
+            with b.if_else(cond) as (then, otherwise):
+                with then:
+                    self._stmt(b, scope, s.then)
+                with otherwise:
+                    self._stmt(b, scope, s.otherwise)
+
+    def _stack_array(self, element: ir.Type, count: int, name: str) -> ir.Value:
+        """An entry-block alloca, as an opaque pointer (every pointer here is opaque, so
+        llvmlite's typed-pointer checks never see mixed kinds)."""
+        pointer = self.entry_builder.alloca(element, size=I64(count), name=name)
+        # llvmlite still types alloca results (`float*`); the printed IR is `ptr` either way,
+        # and a bitcast between pointers is folded away by llvmlite, so retype the value.
+        pointer.type = PTR
+        return pointer
+
+    def _allocate(self, b: ir.IRBuilder, scope: _Scope, s: Allocate) -> None:
+        element = SCALAR_TYPES[s.buffer.dtype]
+        if s.buffer.scope == "local":
+            # Stack arrays live in the entry block so that LLVM can promote them to registers.
+            pointer = self._stack_array(element, s.buffer.size, s.buffer.name)
+            inner = dataclasses.replace(scope, buffers={**scope.buffers, s.buffer: pointer})
+            self._stmt(b, inner, s.body)
+            return
+        malloc = self._declare("malloc", PTR, [I64])
+        free = self._declare("free", ir.VoidType(), [PTR])
+        pointer = b.call(malloc, [I64(max(s.buffer.nbytes, 1))], name=s.buffer.name)
+        inner = dataclasses.replace(scope, buffers={**scope.buffers, s.buffer: pointer})
+        self._stmt(b, inner, s.body)
+        b.call(free, [pointer])
+
+    # --- memory ---------------------------------------------------------------------------
+
+    def _flat_index(self, buffer: Buffer, indices: Sequence[Expr]) -> Expr:
+        flat: Expr = Const(0, INDEX)
+        stride = 1
+        for index, size in reversed(list(zip(indices, buffer.shape, strict=True))):
+            flat = Binary("add", flat, Binary("mul", index, Const(stride, INDEX)))
+            stride *= size
+        return flat
+
+    def _access(self, b, scope: _Scope, buffer: Buffer, indices):
+        """(kind, pointer or per-lane pointers): 'scalar', 'contiguous' or 'lanes'."""
+        flat = self._flat_index(buffer, indices)
+        base = scope.buffers.get(buffer)
+        if base is None:
+            raise CodegenError(f"buffer {buffer.name!r} is not in scope")
+        element = SCALAR_TYPES[buffer.dtype]
+        if scope.lanes == 1 or not self._depends_on(flat, scope.vector_var):
+            return "scalar", b.gep(base, [self._expr(b, scope, flat)], source_etype=element)
+        form = affine(flat)
+        if form is not None and form[0].get(scope.vector_var) == 1:
+            lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
+            lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)
+            start = self._expr(b, lane0, flat)
+            return "contiguous", b.gep(base, [start], source_etype=element)
+        pointers = []
+        for lane in range(scope.lanes):
+            one = dataclasses.replace(
+                scope,
+                values={**scope.values, scope.vector_var: I64(lane)},
+                lanes=1,
+                vector_var=None,
+            )
+            pointers.append(b.gep(base, [self._expr(b, one, flat)], source_etype=element))
+        return "lanes", pointers
+
+    def _load(self, b, scope: _Scope, e: Load) -> ir.Value:
+        kind, where = self._access(b, scope, e.buffer, e.indices)
+        element = SCALAR_TYPES[e.buffer.dtype]
+        if kind == "scalar":
+            value = self._from_memory(b, b.load(where, typ=element), e.dtype)
+            return self._splat(b, value, scope.lanes) if scope.lanes > 1 else value
+        vector_type = ir.VectorType(element, scope.lanes)
+        if kind == "contiguous":
+            loaded = b.load(where, typ=vector_type, align=_align(e.buffer.dtype))
+            return self._from_memory(b, loaded, e.dtype)
+        result = ir.Constant(vector_type, ir.Undefined)
+        for lane, pointer in enumerate(where):
+            result = b.insert_element(result, b.load(pointer, typ=element), I32(lane))
+        return self._from_memory(b, result, e.dtype)
+
+    def _store(self, b, scope: _Scope, s: Store) -> None:
+        value = self._expr(b, scope, s.value)
+        kind, where = self._access(b, scope, s.buffer, s.indices)
+        value = self._to_memory(b, value, s.buffer.dtype)
+        vector = isinstance(value.type, ir.VectorType)
+        if kind == "scalar":
+            if vector:  # every lane writes the same element: the last lane wins
+                value = b.extract_element(value, I32(scope.lanes - 1))
+            b.store(value, where)
+        elif kind == "contiguous":
+            if not vector:
+                value = self._splat(b, value, scope.lanes)
+            b.store(value, where, align=_align(s.buffer.dtype))
+        else:
+            for lane, pointer in enumerate(where):
+                lane_value = b.extract_element(value, I32(lane)) if vector else value
+                b.store(lane_value, pointer)
+
+    def _from_memory(self, b, value, dtype):
+        if dtype == "bool":
+            return b.icmp_unsigned("!=", value, ir.Constant(value.type, 0))
+        return value
+
+    def _to_memory(self, b, value, dtype):
+        if dtype == "bool":
+            target = (
+                ir.VectorType(I8, value.type.count) if isinstance(value.type, ir.VectorType) else I8
+            )
+            return b.zext(value, target)
+        return value
+
+    # --- expressions ----------------------------------------------------------------------
+
+    def _splat(self, b, value: ir.Value, lanes: int) -> ir.Value:
+        vector_type = ir.VectorType(value.type, lanes)
+        single = b.insert_element(ir.Constant(vector_type, ir.Undefined), value, I32(0))
+        return b.shuffle_vector(
+            single,
+            ir.Constant(vector_type, ir.Undefined),
+            ir.Constant(ir.VectorType(I32, lanes), [0] * lanes),
+        )
+
+    def _match(self, b, x: ir.Value, y: ir.Value):
+        xv, yv = isinstance(x.type, ir.VectorType), isinstance(y.type, ir.VectorType)
+        if xv and not yv:
+            y = self._splat(b, y, x.type.count)
+        elif yv and not xv:
+            x = self._splat(b, x, y.type.count)
+        return x, y
+
+    def _const(self, e: Const) -> ir.Value:
+        ty = _register_type(e.dtype)
+        return ir.Constant(ty, int(e.value) if e.dtype == "bool" else e.value)
+
+    def _expr(self, b: ir.IRBuilder, scope: _Scope, e: Expr) -> ir.Value:
+        if isinstance(e, Var):
+            if e.name not in scope.values:
+                raise CodegenError(f"variable {e.name!r} is not bound")
+            return scope.values[e.name]
+        if isinstance(e, Const):
+            return self._const(e)
+        if isinstance(e, Load):
+            return self._load(b, scope, e)
+        if isinstance(e, Binary):
+            x, y = self._match(b, self._expr(b, scope, e.a), self._expr(b, scope, e.b))
+            return self._binary(b, e.op, e.a.dtype, x, y)
+        if isinstance(e, Unary):
+            return self._unary(b, e.op, e.dtype, self._expr(b, scope, e.a))
+        if isinstance(e, Select):
+            cond = self._expr(b, scope, e.cond)
+            x, y = self._match(b, self._expr(b, scope, e.a), self._expr(b, scope, e.b))
+            if isinstance(x.type, ir.VectorType) and not isinstance(cond.type, ir.VectorType):
+                cond = self._splat(b, cond, x.type.count)
+            elif isinstance(cond.type, ir.VectorType) and not isinstance(x.type, ir.VectorType):
+                x, y = self._splat(b, x, cond.type.count), self._splat(b, y, cond.type.count)
+            return b.select(cond, x, y)
+        if isinstance(e, Cast):
+            return self._cast(b, e.a.dtype, e.dtype, self._expr(b, scope, e.a))
+        raise CodegenError(f"no LLVM rule for expression {type(e).__name__}")
+
+    def _binary(self, b, op: str, dtype: str, x, y) -> ir.Value:
+        if _is_float(dtype):
+            table = {"add": b.fadd, "sub": b.fsub, "mul": b.fmul, "div": b.fdiv}
+            if op in table:
+                return table[op](x, y, flags=FAST_MATH)
+            if op in ("min", "max"):
+                name = "llvm.minnum" if op == "min" else "llvm.maxnum"
+                fn = self._declare(f"{name}.{_suffix(x.type)}", x.type, [x.type, x.type])
+                return b.call(fn, [x, y])
+            compare = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+            if op in compare:
+                return b.fcmp_ordered(compare[op], x, y)
+            if op == "pow":
+                fn = self._declare(f"llvm.pow.{_suffix(x.type)}", x.type, [x.type, x.type])
+                return b.call(fn, [x, y])
+        else:
+            if op == "add":
+                return b.add(x, y)
+            if op == "sub":
+                return b.sub(x, y)
+            if op == "mul":
+                return b.mul(x, y)
+            if op in ("floordiv", "mod", "div"):
+                return self._floor_divmod(b, op, x, y)
+            if op in ("min", "max"):
+                pick = b.icmp_signed("<" if op == "min" else ">", x, y)
+                return b.select(pick, x, y)
+            compare = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+            if op in compare:
+                return b.icmp_signed(compare[op], x, y)
+            if op == "and":
+                return b.and_(x, y)
+            if op == "or":
+                return b.or_(x, y)
+        raise CodegenError(f"no LLVM rule for {op} on {dtype}")
+
+    def _floor_divmod(self, b, op, x, y):
+        # Python (floor) semantics; index arithmetic is non-negative in practice, but the
+        # meaning must not depend on that.
+        quotient, remainder = b.sdiv(x, y), b.srem(x, y)
+        zero = ir.Constant(x.type, 0)
+        adjust = b.and_(
+            b.icmp_signed("!=", remainder, zero),
+            b.icmp_signed("!=", b.icmp_signed("<", remainder, zero), b.icmp_signed("<", y, zero)),
+        )
+        if op == "mod":
+            return b.select(adjust, b.add(remainder, y), remainder)
+        return b.select(adjust, b.sub(quotient, ir.Constant(x.type, 1)), quotient)
+
+    def _unary(self, b, op: str, dtype: str, x) -> ir.Value:
+        if op == "neg":
+            return b.fneg(x, flags=FAST_MATH) if _is_float(dtype) else b.neg(x)
+        if op == "not":
+            return b.not_(x)
+        if not _is_float(dtype):
+            raise CodegenError(f"no LLVM rule for {op} on {dtype}")
+        if op in LLVM_INTRINSICS:
+            return b.call(self._intrinsic(LLVM_INTRINSICS[op], x.type), [x], fastmath=FAST_MATH)
+        if op == "rsqrt":
+            root = b.call(self._intrinsic("llvm.sqrt", x.type), [x])
+            return b.fdiv(ir.Constant(x.type, 1.0), root, flags=FAST_MATH)
+        if op == "sigmoid":
+            exp = b.call(self._intrinsic("llvm.exp", x.type), [b.fneg(x)])
+            one = ir.Constant(x.type, 1.0)
+            return b.fdiv(one, b.fadd(one, exp, flags=FAST_MATH), flags=FAST_MATH)
+        if op in LIBM:
+            scalar = SCALAR_TYPES[dtype]
+            fn = self._declare(LIBM[op][dtype], scalar, [scalar])
+            if not isinstance(x.type, ir.VectorType):
+                return b.call(fn, [x])
+            result = ir.Constant(x.type, ir.Undefined)
+            for lane in range(x.type.count):
+                value = b.call(fn, [b.extract_element(x, I32(lane))])
+                result = b.insert_element(result, value, I32(lane))
+            return result
+        raise CodegenError(f"no LLVM rule for unary {op}")
+
+    def _cast(self, b, src: str, dst: str, x) -> ir.Value:
+        if src == dst:
+            return x
+        lanes = x.type.count if isinstance(x.type, ir.VectorType) else None
+
+        def ty(dtype):
+            scalar = _register_type(dtype)
+            return ir.VectorType(scalar, lanes) if lanes else scalar
+
+        if _is_float(src) and _is_float(dst):
+            wider = dst == "float64"
+            return b.fpext(x, ty(dst)) if wider else b.fptrunc(x, ty(dst))
+        if _is_float(src):
+            if dst == "bool":
+                return b.fcmp_unordered("!=", x, ir.Constant(x.type, 0.0))
+            return b.fptosi(x, ty(dst))
+        if _is_float(dst):
+            return b.uitofp(x, ty(dst)) if src in ("bool", "uint8") else b.sitofp(x, ty(dst))
+        if dst == "bool":
+            return b.icmp_signed("!=", x, ir.Constant(x.type, 0))
+        src_bits, dst_bits = x.type.width if not lanes else x.type.element.width, ty(dst)
+        dst_width = dst_bits.width if not lanes else dst_bits.element.width
+        if dst_width > src_bits:
+            unsigned = src in ("bool", "uint8")
+            return b.zext(x, ty(dst)) if unsigned else b.sext(x, ty(dst))
+        return b.trunc(x, ty(dst)) if dst_width < src_bits else x
+
+    # --- parallel loops -------------------------------------------------------------------
+
+    def _parallel(self, b: ir.IRBuilder, scope: _Scope, loop: For) -> None:
+        """Outline the loop into `worker(ptr closure)` and run it with GOMP_parallel."""
+        free_vars = sorted(
+            {
+                x.name
+                for s in walk_stmts(loop.body)
+                for e in stmt_exprs(s)
+                for x in walk_exprs(e)
+                if isinstance(x, Var) and x.name in scope.values
+            }
+        )
+        buffers = [buf for buf in scope.buffers if self._uses_buffer(loop.body, buf)]
+        fields = [PTR] * len(buffers) + [I64] * len(free_vars)
+        closure_type = ir.LiteralStructType(fields or [I64])
+
+        self._worker_count += 1
+        worker = ir.Function(
+            self.module,
+            ir.FunctionType(ir.VoidType(), [PTR]),
+            name=f"{self.func.name}.parallel{self._worker_count}",
+        )
+        worker.linkage = "internal"
+        saved_entry = self.entry_builder
+        wb = self._worker_prologue(worker)
+        data = worker.args[0]
+        values, worker_buffers = {}, {}
+        for i, buf in enumerate(buffers):
+            slot = wb.gep(data, [I32(0), I32(i)], source_etype=closure_type)
+            worker_buffers[buf] = wb.load(slot, typ=PTR)
+        for j, name in enumerate(free_vars):
+            slot = wb.gep(data, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
+            values[name] = wb.load(slot, typ=I64)
+        thread = wb.sext(wb.call(self._declare("omp_get_thread_num", I32, []), []), I64)
+        threads = wb.sext(wb.call(self._declare("omp_get_num_threads", I32, []), []), I64)
+        chunk = wb.sdiv(wb.add(I64(loop.extent - 1), threads), threads)
+        start = wb.mul(thread, chunk)
+        stop = wb.add(start, chunk)
+        stop = wb.select(wb.icmp_signed("<", stop, I64(loop.extent)), stop, I64(loop.extent))
+        inner_scope = _Scope(values, worker_buffers)
+        serial = dataclasses.replace(loop, kind=ForKind.SERIAL)
+        self._counted_loop(wb, inner_scope, serial, start, stop)
+        wb.ret_void()
+        self.entry_builder.branch(self._worker_start)
+        self.entry_builder = saved_entry
+
+        closure = self._stack_array(closure_type, 1, "closure")
+        for i, buf in enumerate(buffers):
+            slot = b.gep(closure, [I32(0), I32(i)], source_etype=closure_type)
+            b.store(scope.buffers[buf], slot)
+        for j, name in enumerate(free_vars):
+            slot = b.gep(closure, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
+            b.store(scope.values[name], slot)
+        gomp = self._declare("GOMP_parallel", ir.VoidType(), [PTR, PTR, I32, I32])
+        b.call(gomp, [worker, closure, I32(0), I32(0)])
+
+    def _worker_prologue(self, worker: ir.Function) -> ir.IRBuilder:
+        entry = worker.append_basic_block("entry")
+        self.entry_builder = ir.IRBuilder(entry)
+        self._worker_start = worker.append_basic_block("start")
+        return ir.IRBuilder(self._worker_start)
+
+    @staticmethod
+    def _uses_buffer(s: Stmt, buffer: Buffer) -> bool:
+        for stmt in walk_stmts(s):
+            if isinstance(stmt, Store) and stmt.buffer == buffer:
+                return True
+            for e in stmt_exprs(stmt):
+                if any(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(e)):
+                    return True
+        return False
+
+
+def build_module(funcs: Sequence[PrimFunc], target: Target, name: str = "kiln") -> ir.Module:
+    module = ir.Module(name=name)
+    module.triple = target.triple
+    for func in funcs:
+        FunctionEmitter(module, func).emit()
+    return module
