@@ -427,6 +427,36 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
     return _with_body(func, new_body)
 
 
+def _without_reduction_init(loop: For, buffer: Buffer, inside: set[str], record):
+    """Remove the reduction's guarded first-step store (`if k == 0: c[..] = init`) from
+    `loop`, returning the loop and the initial value; refuse when a reduction loop runs
+    outside `loop` (the local buffer would then hold partial sums only)."""
+    guards = [
+        s
+        for s in walk_stmts(loop.body)
+        if isinstance(s, IfThenElse)
+        and isinstance(s.then, Store)
+        and s.then.buffer == buffer
+        and s.otherwise is None
+    ]
+    if not guards:
+        return loop, None
+    values = set()
+    for guard in guards:
+        names = {x.name for x in walk_exprs(guard.cond) if isinstance(x, Var)}
+        if not names <= inside:
+            outside = ", ".join(sorted(names - inside))
+            raise ScheduleError(
+                f"{record}: reduction loop(s) {outside} run outside {record.loop!r}; cache the "
+                "write at a loop that holds the whole reduction"
+            )
+        values.add(guard.then.value)
+    if len(values) != 1 or not isinstance(next(iter(values)), Const):
+        return loop, None
+    stripped = map_stmt(loop, stmt_fn=lambda s: Block(()) if s in guards else None)
+    return stripped, next(iter(values))
+
+
 def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     buffer, _ = _stage_buffer(func, r.stage, r)
     target = _loop(func, r.loop, r)
@@ -434,8 +464,13 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     if writes != {buffer}:
         raise ScheduleError(f"{r}: {r.loop!r} must contain only {r.stage!r}'s computation")
     # The local buffer covers everything the stage writes over the whole of `loop`.
-    starts, extents = _region(target, buffer, _inner_ranges(target))
+    inside = _inner_ranges(target)
+    starts, extents = _region(target, buffer, inside)
     local = Buffer(f"{buffer.name}_local", tuple(extents), buffer.dtype, "local")
+    stripped, init_value = _without_reduction_init(target, buffer, set(inside), r)
+    # Loops over a small tile are unrolled, so that its indices are constants and LLVM keeps
+    # the whole tile in registers.
+    tile_kind = ForKind.UNROLLED if local.size <= MAX_UNROLL else ForKind.SERIAL
 
     def offset(indices: tuple[Expr, ...]) -> tuple[Expr, ...]:
         return tuple(Binary("sub", i, s) for i, s in zip(indices, starts, strict=True))
@@ -450,7 +485,13 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
             return Store(local, offset(s.indices), s.value)
         return None
 
-    computed = map_stmt(target, redirect_expr, redirect_stmt)
+    computed = map_stmt(stripped, redirect_expr, redirect_stmt)
+    if init_value is not None:  # the first reduction step's store, done once up front
+        fill_vars = [Var(f"{buffer.name}_init{d}") for d in range(len(extents))]
+        fill: Stmt = Store(local, tuple(fill_vars), init_value)
+        for var, extent in reversed(list(zip(fill_vars, extents, strict=True))):
+            fill = For(var, extent, fill, tile_kind)
+        computed = seq(fill, computed)
     copy_vars = [Var(f"{buffer.name}_wb{d}") for d in range(len(extents))]
     index = tuple(Binary("add", s, v) for s, v in zip(starts, copy_vars, strict=True))
     copy: Stmt = Store(buffer, index, Load(local, tuple(copy_vars)))
@@ -463,7 +504,7 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     for guard in guards:
         copy = IfThenElse(guard, copy)
     for var, extent in reversed(list(zip(copy_vars, extents, strict=True))):
-        copy = For(var, extent, copy)
+        copy = For(var, extent, copy, tile_kind)
     new = Allocate(local, seq(computed, copy))
     return _with_body(func, replace_stmt(func.body, target, new))
 
