@@ -169,7 +169,9 @@ class FunctionEmitter:
     def _for(self, b: ir.IRBuilder, scope: _Scope, loop: For) -> None:
         if loop.kind == ForKind.PARALLEL:
             self._parallel(b, scope, loop)
-        elif loop.kind == ForKind.UNROLLED:
+        elif loop.kind == ForKind.UNROLLED or (
+            loop.kind == ForKind.VECTORIZED and loop.extent == 1
+        ):
             for i in range(loop.extent):
                 inner = dataclasses.replace(scope, values={**scope.values, loop.var.name: I64(i)})
                 self._stmt(b, inner, loop.body)
