@@ -7,9 +7,23 @@ is what bound inference for compute_at and cache_write needs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
-from compiler_core.loop.ir import INDEX, Binary, Const, Expr, PrimFunc, Stmt, Var
+from compiler_core.loop.ir import (
+    INDEX,
+    Allocate,
+    Binary,
+    Block,
+    Const,
+    Expr,
+    For,
+    IfThenElse,
+    PrimFunc,
+    Stmt,
+    Store,
+    Var,
+)
 from compiler_core.loop.transform import map_expr, map_stmt
 
 _FOLD = {
@@ -74,11 +88,59 @@ def _simplify_node(e: Expr) -> Expr | None:
     return None
 
 
-def simplify_expr(e: Expr) -> Expr:
-    return map_expr(e, _simplify_node)
+def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
+    """(c*A + B) // c -> A and (c*A + B) % c -> B when 0 <= B < c for every loop value:
+    what split and fuse leave behind in packed-layout indices."""
+    if not isinstance(e, Binary) or e.op not in ("floordiv", "mod") or e.dtype != INDEX:
+        return None
+    if not isinstance(e.b, Const) or e.b.value <= 0:
+        return None
+    form = affine(e.a)
+    if form is None or any(name not in ranges for name in form[0]):
+        return None
+    divisor = e.b.value
+    coeffs, constant = form
+    quotient = {v: c // divisor for v, c in coeffs.items() if c % divisor == 0}
+    rest = {v: c for v, c in coeffs.items() if c % divisor}
+    q0, r0 = divmod(constant, divisor)
+    low = r0 + sum(min(0, c * (ranges[v] - 1)) for v, c in rest.items())
+    high = r0 + sum(max(0, c * (ranges[v] - 1)) for v, c in rest.items())
+    if low < 0 or high >= divisor:
+        return None
+    if e.op == "floordiv":
+        return canonical({v: c for v, c in quotient.items() if c}, q0)
+    return canonical(rest, r0)
 
 
-def simplify_stmt(s: Stmt) -> Stmt:
+def simplify_expr(e: Expr, ranges: Mapping[str, int] | None = None) -> Expr:
+    if not ranges:
+        return map_expr(e, _simplify_node)
+
+    def node(x: Expr) -> Expr | None:
+        reduced = _divmod_by_ranges(x, ranges)
+        if reduced is not None:
+            return map_expr(reduced, _simplify_node)
+        return _simplify_node(x)
+
+    return map_expr(e, node)
+
+
+def simplify_stmt(s: Stmt, ranges: Mapping[str, int] | None = None) -> Stmt:
+    """Simplify every expression, knowing each loop variable's range where it is bound."""
+    ranges = dict(ranges or {})
+    if isinstance(s, For):
+        inner = {**ranges, s.var.name: s.extent}
+        return dataclasses.replace(s, body=simplify_stmt(s.body, inner))
+    if isinstance(s, Block):
+        return Block(tuple(simplify_stmt(x, ranges) for x in s.stmts))
+    if isinstance(s, Allocate):
+        return Allocate(s.buffer, simplify_stmt(s.body, ranges))
+    if isinstance(s, IfThenElse):
+        otherwise = simplify_stmt(s.otherwise, ranges) if s.otherwise is not None else None
+        return IfThenElse(simplify_expr(s.cond, ranges), simplify_stmt(s.then, ranges), otherwise)
+    if isinstance(s, Store):
+        indices = tuple(simplify_expr(i, ranges) for i in s.indices)
+        return Store(s.buffer, indices, simplify_expr(s.value, ranges))
     return map_stmt(s, _simplify_node)
 
 

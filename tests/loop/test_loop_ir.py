@@ -120,3 +120,16 @@ def test_bounds_of_an_affine_index():
     o, i = Var("o"), Var("i")
     start, width = bounds(o * 4 + i, {"i": 4})
     assert width == 4 and simplify_expr(start) == simplify_expr(o * 4)
+
+
+def test_floordiv_and_mod_resolve_when_ranges_allow():
+    from compiler_core.loop.ir import Binary
+
+    o, i = Var("o"), Var("i")
+    index = o * 32 + i
+    ranges = {"o": 8, "i": 32}
+    assert simplify_expr(Binary("floordiv", index, Const(32, INDEX)), ranges) == o
+    assert simplify_expr(Binary("mod", index, Const(32, INDEX)), ranges) == i
+    # i may reach 32 here: nothing can be concluded.
+    wide = Binary("floordiv", o * 32 + i, Const(32, INDEX))
+    assert simplify_expr(wide, {"o": 8, "i": 33}) != o
