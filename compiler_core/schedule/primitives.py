@@ -33,6 +33,7 @@ from compiler_core.loop.ir import (
 from compiler_core.loop.simplify import bounds, max_value, simplify_stmt
 from compiler_core.loop.transform import (
     find_loop,
+    map_expr,
     map_stmt,
     replace_stmt,
     stmt_exprs,
@@ -85,6 +86,14 @@ class ComputeInline:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReverseComputeInline:
+    """Fold a pure consumer stage (an epilogue: bias, residual add, relu...) into the single
+    store of the stage it reads, so the epilogue runs on the value before it is stored."""
+
+    stage: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ComputeAt:
     stage: str
     loop: str
@@ -107,8 +116,9 @@ Record = (
     | Unroll
     | Parallel
     | ComputeInline
+    | ReverseComputeInline
     | ComputeAt
-    | (CacheWrite)
+    | CacheWrite
 )
 RECORD_TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -120,6 +130,7 @@ RECORD_TYPES: dict[str, type] = {
         Unroll,
         Parallel,
         ComputeInline,
+        ReverseComputeInline,
         ComputeAt,
         CacheWrite,
     )
@@ -347,6 +358,54 @@ def compute_inline(func: PrimFunc, r: ComputeInline) -> PrimFunc:
     return _with_body(func, _remove_allocation(body, buffer))
 
 
+def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
+    consumer, stores = _stage_buffer(func, r.stage, r)
+    if len(stores) != 1:
+        raise ScheduleError(f"{r}: {r.stage!r} must be a pure stage with a single store")
+    (store,) = stores
+    index_vars = [i.name for i in store.indices if isinstance(i, Var)]
+    if len(index_vars) != len(store.indices) or len(set(index_vars)) != len(index_vars):
+        raise ScheduleError(f"{r}: {r.stage!r} must store at its plain loop indices")
+    reads = {x.buffer for x in walk_exprs(store.value) if isinstance(x, Load)}
+    producers = [b for b in reads if b.scope == "workspace"]
+    if len(producers) != 1:
+        raise ScheduleError(f"{r}: {r.stage!r} must read exactly one intermediate stage")
+    (producer,) = producers
+    reads_of_producer = [
+        x for x in walk_exprs(store.value) if isinstance(x, Load) and x.buffer == producer
+    ]
+    if any(list(x.indices) != list(store.indices) for x in reads_of_producer):
+        raise ScheduleError(f"{r}: {r.stage!r} must read {producer.name!r} at its own indices")
+    if producer.shape != consumer.shape:
+        raise ScheduleError(f"{r}: {producer.name!r} and {r.stage!r} differ in shape")
+    writers = [s for s in walk_stmts(func.body) if isinstance(s, Store) and s.buffer == producer]
+    readers = [
+        s
+        for s in walk_stmts(func.body)
+        for e in stmt_exprs(s)
+        for x in walk_exprs(e)
+        if isinstance(x, Load) and x.buffer == producer and s is not store
+    ]
+    if len(writers) != 1 or readers:
+        raise ScheduleError(
+            f"{r}: {producer.name!r} must be stored once and read only by {r.stage!r} "
+            "(cache its write first if it is a reduction)"
+        )
+    (final,) = writers
+    nest = _stage_nest(func, consumer, r)
+    mapping = dict(zip(index_vars, final.indices, strict=True))
+
+    def value_at_store(e: Expr):
+        if isinstance(e, Load) and e.buffer == producer:
+            return final.value
+        return None
+
+    epilogue = map_expr(substitute(store.value, mapping), value_at_store)
+    body = replace_stmt(func.body, final, Store(consumer, final.indices, epilogue))
+    body = replace_stmt(body, nest, Block(()))
+    return _with_body(func, _remove_allocation(body, producer))
+
+
 def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
     """(start expressions, extents) of `buffer` touched inside `loop`, per dimension."""
     accesses: list[tuple[Expr, ...]] = []
@@ -517,6 +576,7 @@ PRIMITIVES = {
     Unroll: unroll,
     Parallel: parallel,
     ComputeInline: compute_inline,
+    ReverseComputeInline: reverse_compute_inline,
     ComputeAt: compute_at,
     CacheWrite: cache_write,
 }

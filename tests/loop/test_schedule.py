@@ -20,6 +20,7 @@ from compiler_core.schedule.primitives import (
     Fuse,
     Parallel,
     Reorder,
+    ReverseComputeInline,
     ScheduleError,
     Split,
     Unroll,
@@ -75,6 +76,14 @@ def assert_schedule_keeps_meaning(schedule):
         [ComputeInline("e")],
         [ComputeAt("e", "d_i0")],
         [ComputeAt("c", "e_i0")],
+        [
+            Split("c_i1", 4),
+            Reorder(("c_i0", "c_i1_o", "c_kk", "c_i1_i")),
+            CacheWrite("c", "c_kk"),
+            ComputeInline("e"),
+            ReverseComputeInline("d"),
+            Vectorize("c_i1_i"),
+        ],
         [ComputeInline("e"), ComputeAt("c", "d_i0"), Split("c_i1_at", 4)],
         [
             Split("c_i0", 2),
@@ -135,6 +144,8 @@ def test_cache_write_accumulates_in_a_local_buffer():
         (ComputeAt("d", "c_i0"), "output"),
         (ComputeAt("missing", "d_i0"), "no stage"),
         (ComputeAt("c", "d_i0"), "reads"),
+        (ReverseComputeInline("e"), "cache its write"),
+        (ReverseComputeInline("c"), "single store"),
     ],
     ids=str,
 )
