@@ -1,0 +1,267 @@
+"""Graph + target (+ tuning records) -> module archive.
+
+One kernel per fused group (tensor expressions -> loop IR -> schedule -> LLVM), one entry
+function that runs every kernel in order over a statically planned workspace, weights in their
+final (packed) layouts, and a manifest that records what was built and how it was verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Sequence
+
+import llvmlite.ir as ir
+import numpy as np
+
+from compiler_core import te
+from compiler_core.codegen import llvm as codegen
+from compiler_core.codegen.native import emit_object
+from compiler_core.graph.ir import Graph, TensorType
+from compiler_core.kernels import KERNELS, KernelContext, KernelError
+from compiler_core.kernels.schedules import StageInfo, default_schedule
+from compiler_core.loop.ir import PrimFunc
+from compiler_core.schedule.primitives import Record, apply
+from compiler_core.target import Target
+
+ALIGNMENT = 64
+ENTRY = "kiln_main"
+
+
+@dataclasses.dataclass
+class GroupKernel:
+    name: str
+    func: PrimFunc
+    inputs: list[str]  # per input parameter: a graph value, or a packed constant "value::layout"
+    outputs: list[str]  # graph values the kernel writes
+    schedule: list[Record]
+    packed: dict[str, np.ndarray]
+    stages: list[StageInfo]
+
+
+def _symbol(index: int, anchor: str | None, first: str) -> str:
+    base = "".join(ch if ch.isalnum() else "_" for ch in (anchor or first))[-40:]
+    return f"k{index}_{base.strip('_') or 'group'}"
+
+
+def _stage_infos(ctx: KernelContext, outputs: Sequence[te.Tensor]) -> list[StageInfo]:
+    from compiler_core.te.lower import _reads, stages_of
+
+    output_ids = {id(t) for t in outputs}
+    infos = []
+    for t in stages_of(outputs):
+        reduction = t.op.reduction
+        axes = tuple((f"{t.name}_{a.name}", a.extent) for a in reduction.axes) if reduction else ()
+        reads = tuple(r.name for r in _reads(t.op.body) if not r.is_placeholder)
+        infos.append(
+            StageInfo(
+                name=t.name,
+                shape=t.shape,
+                reduce_axes=axes,
+                output=id(t) in output_ids,
+                op=ctx.stage_ops.get(t.name, ""),
+                reads=reads,
+                notes=tuple(sorted(ctx.notes.get(t.name, {}).items())),
+            )
+        )
+    return infos
+
+
+def group_outputs(graph: Graph, nodes) -> list[str]:
+    inside = {n.name for n in nodes}
+    outputs = []
+    for node in nodes:
+        for value in node.outputs:
+            if not value:
+                continue
+            used_outside = any(c.name not in inside for c in graph.consumers.get(value, ()))
+            if used_outside or value in graph.outputs:
+                outputs.append(value)
+    return outputs
+
+
+def build_group(graph: Graph, group, index: int, schedule=None) -> GroupKernel:
+    nodes = [graph.node_by_name[name] for name in group.nodes]
+    ctx = KernelContext(graph, f"g{index}")
+    for node in nodes:
+        builder = KERNELS.get(node.op)
+        if builder is None:
+            raise KernelError(f"node {node.name!r}: no CPU kernel for operator {node.op}")
+        produced = [v for v in node.outputs if v]
+        tensors = builder(ctx, node)
+        for value, tensor in zip(produced, tensors, strict=True):
+            ctx.tensors[value] = tensor
+    outputs = group_outputs(graph, nodes)
+    out_tensors = [ctx.tensors[v] for v in outputs]
+    # A value computed as a plain copy of an input still needs its own stage.
+    for k, tensor in enumerate(out_tensors):
+        if tensor.is_placeholder:
+            out_tensors[k] = te.compute(tensor.shape, lambda *i, t=tensor: t[i], f"copy{k}")
+    name = _symbol(index, group.anchor, group.nodes[0])
+    func = te.lower([t for _, t in ctx.inputs], out_tensors, name)
+    stages = _stage_infos(ctx, out_tensors)
+    records = list(schedule) if schedule is not None else default_schedule(stages)
+    func = apply(func, records)
+    inputs = [value for value, _ in ctx.inputs]
+    return GroupKernel(name, func, inputs, outputs, records, ctx.packed_arrays, stages)
+
+
+# --- memory planning ---------------------------------------------------------------------------
+
+
+def _aligned(size: int) -> int:
+    return -(-max(size, 1) // ALIGNMENT) * ALIGNMENT
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    offsets: dict[str, int]  # intermediate value -> workspace offset
+    workspace_bytes: int
+    naive_bytes: int  # what one buffer per intermediate would take
+
+
+def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:
+    """Liveness-based reuse: an intermediate's bytes are free once its last reader ran."""
+    external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
+    defined_at, last_use = {}, {}
+    for step, kernel in enumerate(kernels):
+        for value in kernel.inputs:
+            last_use[value] = step
+        for value in kernel.outputs:
+            defined_at.setdefault(value, step)
+    live: list[tuple[int, int, str]] = []  # (offset, size, value)
+    offsets, peak, naive = {}, 0, 0
+    for value, step in sorted(defined_at.items(), key=lambda item: item[1]):
+        if value in external:
+            continue
+        live = [(o, s, v) for o, s, v in live if last_use.get(v, defined_at[v]) >= step]
+        size = _aligned(graph.types[value].nbytes)
+        naive += size
+        offset = _first_fit(live, size)
+        live.append((offset, size, value))
+        offsets[value] = offset
+        peak = max(peak, offset + size)
+    return MemoryPlan(offsets, peak, naive)
+
+
+def _first_fit(live, size: int) -> int:
+    cursor = 0
+    for offset, used, _ in sorted(live):
+        if offset - cursor >= size:
+            return cursor
+        cursor = max(cursor, offset + used)
+    return cursor
+
+
+# --- the entry function ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WeightsLayout:
+    offsets: dict[str, int]
+    blob: bytes
+
+
+def layout_weights(graph: Graph, kernels: Sequence[GroupKernel]) -> WeightsLayout:
+    arrays: dict[str, np.ndarray] = {}
+    for kernel in kernels:
+        for name in kernel.inputs:
+            if name in graph.constants:
+                arrays[name] = np.ascontiguousarray(graph.constants[name])
+            elif name in kernel.packed:
+                arrays[name] = kernel.packed[name]
+    for name in graph.outputs:
+        if name in graph.constants:
+            arrays[name] = np.ascontiguousarray(graph.constants[name])
+    offsets, chunks, cursor = {}, [], 0
+    for name, array in arrays.items():
+        offsets[name] = cursor
+        data = array.tobytes()
+        chunks.append(data + b"\0" * (_aligned(len(data)) - len(data)))
+        cursor += _aligned(len(data))
+    return WeightsLayout(offsets, b"".join(chunks))
+
+
+def emit_entry(
+    module: ir.Module,
+    graph: Graph,
+    kernels: Sequence[GroupKernel],
+    memory: MemoryPlan,
+    weights: WeightsLayout,
+) -> None:
+    """void kiln_main(ptr inputs[], ptr outputs[], ptr workspace, ptr weights)."""
+    ptr, i64 = codegen.PTR, codegen.I64
+    entry = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr] * 4), name=ENTRY)
+    inputs, outputs, workspace, blob = entry.args
+    b = ir.IRBuilder(entry.append_basic_block("entry"))
+
+    def slot(array, index):
+        return b.load(b.gep(array, [i64(index)], source_etype=ptr), typ=ptr)
+
+    def pointer(value: str):
+        if value in graph.inputs:
+            return slot(inputs, graph.inputs.index(value))
+        if value in graph.outputs:
+            return slot(outputs, graph.outputs.index(value))
+        if value in weights.offsets:
+            return b.gep(blob, [i64(weights.offsets[value])], source_etype=ir.IntType(8))
+        return b.gep(workspace, [i64(memory.offsets[value])], source_etype=ir.IntType(8))
+
+    for kernel in kernels:
+        fn = module.globals[kernel.name]
+        b.call(fn, [pointer(value) for value in kernel.inputs + kernel.outputs])
+    memcpy = ir.Function(
+        module,
+        ir.FunctionType(ir.VoidType(), [ptr, ptr, i64, ir.IntType(1)]),
+        name="llvm.memcpy.p0.p0.i64",
+    )
+    # Outputs that are constants or inputs themselves are copied into place.
+    for index, value in enumerate(graph.outputs):
+        if value in graph.constants or value in graph.inputs:
+            source = (
+                pointer(value)
+                if value in weights.offsets
+                else slot(inputs, graph.inputs.index(value))
+            )
+            size = i64(graph.types[value].nbytes)
+            b.call(memcpy, [slot(outputs, index), source, size, ir.IntType(1)(0)])
+    b.ret_void()
+
+
+@dataclasses.dataclass
+class CompiledModel:
+    graph: Graph
+    target: Target
+    kernels: list[GroupKernel]
+    memory: MemoryPlan
+    weights: WeightsLayout
+    object_code: bytes
+    compile_seconds: float
+
+    def kernel_key(self, kernel: GroupKernel) -> str:
+        return hashlib.sha256(kernel.func.key.encode()).hexdigest()
+
+
+def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None = None):
+    started = time.perf_counter()
+    kernels = []
+    for index, group in enumerate(graph.groups):
+        override = (schedules or {}).get(group.name)
+        kernels.append(build_group(graph, group, index, override))
+    memory = plan_memory(graph, kernels)
+    weights = layout_weights(graph, kernels)
+    module = codegen.build_module([k.func for k in kernels], target, name=graph.name)
+    emit_entry(module, graph, kernels, memory, weights)
+    obj = emit_object(module, target)
+    return CompiledModel(
+        graph, target, kernels, memory, weights, obj, time.perf_counter() - started
+    )
+
+
+def describe_types(graph: Graph, names: Sequence[str]) -> list[dict]:
+    return [_type_record(name, graph.types[name]) for name in names]
+
+
+def _type_record(name: str, t: TensorType) -> dict:
+    return {"name": name, "shape": list(t.shape), "dtype": t.dtype}

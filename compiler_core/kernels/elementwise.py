@@ -1,0 +1,182 @@
+"""Elementwise and broadcast operators as tensor expressions (one scalar formula each)."""
+
+from __future__ import annotations
+
+import math
+
+from compiler_core.graph.ir import Node
+from compiler_core.kernels.base import Builder, KernelContext, broadcast_index
+from compiler_core.loop.ir import (
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Select,
+    Unary,
+    logical_and,
+    maximum,
+    minimum,
+)
+from compiler_core.te import compute
+
+
+def _const(value, like: Expr) -> Expr:
+    return Const(value, like.dtype)
+
+
+def _clip(n: Node, x: Expr) -> Expr:
+    out = x
+    if n.attr("min", None) is not None:
+        out = maximum(out, _const(n.attr("min"), x))
+    if n.attr("max", None) is not None:
+        out = minimum(out, _const(n.attr("max"), x))
+    return out
+
+
+def _gelu(n: Node, x: Expr) -> Expr:
+    if n.attr("approximate", "none") == "tanh":
+        inner = _const(math.sqrt(2 / math.pi), x) * (x + _const(0.044715, x) * x * x * x)
+        return _const(0.5, x) * x * (_const(1.0, x) + Unary("tanh", inner))
+    return _const(0.5, x) * x * (_const(1.0, x) + Unary("erf", x * _const(math.sqrt(0.5), x)))
+
+
+def _hard_sigmoid(n: Node, x: Expr) -> Expr:
+    linear = x * _const(n.attr("alpha", 0.2), x) + _const(n.attr("beta", 0.5), x)
+    return minimum(maximum(linear, _const(0.0, x)), _const(1.0, x))
+
+
+UNARY = {
+    "Identity": lambda n, x: x,
+    "Relu": lambda n, x: maximum(x, _const(0.0, x)),
+    "LeakyRelu": lambda n, x: Select(x >= _const(0.0, x), x, x * _const(n.attr("alpha", 0.01), x)),
+    "Clip": _clip,
+    "Sigmoid": lambda n, x: Unary("sigmoid", x),
+    "Tanh": lambda n, x: Unary("tanh", x),
+    "Erf": lambda n, x: Unary("erf", x),
+    "Gelu": _gelu,
+    "HardSigmoid": _hard_sigmoid,
+    "HardSwish": lambda n, x: (
+        x * minimum(maximum(x / _const(6.0, x) + _const(0.5, x), _const(0.0, x)), _const(1.0, x))
+    ),
+    "Sqrt": lambda n, x: Unary("sqrt", x),
+    "Exp": lambda n, x: Unary("exp", x),
+    "Log": lambda n, x: Unary("log", x),
+    "Neg": lambda n, x: Unary("neg", x),
+    "Abs": lambda n, x: Unary("abs", x),
+    "Reciprocal": lambda n, x: _const(1.0, x) / x,
+    "Floor": lambda n, x: Unary("floor", x),
+    "Ceil": lambda n, x: Unary("ceil", x),
+    "Round": lambda n, x: Unary("round", x),
+    "Sin": lambda n, x: Unary("sin", x),
+    "Cos": lambda n, x: Unary("cos", x),
+    "Softplus": lambda n, x: Unary("log", _const(1.0, x) + Unary("exp", x)),
+    "Softsign": lambda n, x: x / (_const(1.0, x) + Unary("abs", x)),
+    "Elu": lambda n, x: Select(
+        x > _const(0.0, x),
+        x,
+        _const(n.attr("alpha", 1.0), x) * (Unary("exp", x) - _const(1.0, x)),
+    ),
+    "Not": lambda n, x: Unary("not", x),
+}
+
+BINARY = {
+    "Add": lambda n, a, b: a + b,
+    "Sub": lambda n, a, b: a - b,
+    "Mul": lambda n, a, b: a * b,
+    "Div": lambda n, a, b: a / b if a.dtype.startswith("float") else Binary("floordiv", a, b),
+    "Pow": lambda n, a, b: Binary("pow", a, Cast(a.dtype, b) if b.dtype != a.dtype else b),
+    "PRelu": lambda n, a, b: Select(a >= _const(0.0, a), a, a * b),
+    "Equal": lambda n, a, b: a.equals(b),
+    "Less": lambda n, a, b: a < b,
+    "Greater": lambda n, a, b: a > b,
+    "LessOrEqual": lambda n, a, b: a <= b,
+    "GreaterOrEqual": lambda n, a, b: a >= b,
+    "And": lambda n, a, b: logical_and(a, b),
+    "Or": lambda n, a, b: Binary("or", a, b),
+}
+
+VARIADIC = {"Max": maximum, "Min": minimum, "Sum": lambda a, b: a + b}
+
+
+def _read(ctx: KernelContext, value: str, out_shape, index):
+    t = ctx.tensor(value)
+    return t[broadcast_index(t.shape, out_shape, index)]
+
+
+def _unary_builder(fn) -> Builder:
+    def build(ctx: KernelContext, node: Node):
+        out = ctx.type(node.outputs[0])
+        return [
+            compute(
+                out.shape,
+                lambda *i: fn(node, _read(ctx, node.inputs[0], out.shape, i)),
+                ctx.stage_name(node),
+                out.dtype,
+            )
+        ]
+
+    return build
+
+
+def _nary_builder(fn) -> Builder:
+    def build(ctx: KernelContext, node: Node):
+        out = ctx.type(node.outputs[0])
+
+        def body(*i):
+            values = [_read(ctx, v, out.shape, i) for v in node.inputs]
+            return fn(node, *values)
+
+        return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+    return build
+
+
+def _variadic_builder(fn) -> Builder:
+    def combine(node, *values):
+        result = values[0]
+        for v in values[1:]:
+            result = fn(result, v)
+        return result
+
+    return _nary_builder(combine)
+
+
+def _mean(node, *values):
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total / _const(float(len(values)), total)
+
+
+def _where(node, cond, a, b):
+    return Select(cond, a, b)
+
+
+def _cast(node, x):
+    # Float to int truncates toward zero (fptosi), as ONNX's Cast does.
+    return Cast(node.attr("to"), x)
+
+
+def _batch_norm(ctx: KernelContext, node: Node):
+    # Normally folded away by simplify_inference; kept for graphs with non-constant parameters.
+    out = ctx.type(node.outputs[0])
+    eps = node.attr("epsilon", 1e-5)
+
+    def body(*i):
+        x = ctx.tensor(node.inputs[0])[i]
+        c = (i[1],)
+        scale, bias, mean, var = (ctx.tensor(v)[c] for v in node.inputs[1:5])
+        return (x - mean) * scale / Unary("sqrt", var + _const(eps, var)) + bias
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS: dict[str, Builder] = {
+    **{op: _unary_builder(fn) for op, fn in UNARY.items()},
+    **{op: _nary_builder(fn) for op, fn in BINARY.items()},
+    **{op: _variadic_builder(fn) for op, fn in VARIADIC.items()},
+    "Mean": _nary_builder(_mean),
+    "Where": _nary_builder(_where),
+    "Cast": _unary_builder(_cast),
+    "BatchNormalization": _batch_norm,
+}

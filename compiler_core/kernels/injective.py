@@ -1,0 +1,213 @@
+"""Data-movement operators as index mappings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from compiler_core.graph.ir import Node
+from compiler_core.graph.ops.tensor import slice_objects
+from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
+from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, logical_and
+from compiler_core.te import compute
+
+
+def clamp(index: Expr, size: int) -> Expr:
+    """Keep an index in bounds: both sides of a select are evaluated (and loaded)."""
+    return Binary("max", Binary("min", index, Const(size - 1, INDEX)), Const(0, INDEX))
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return list(reversed(strides))
+
+
+def _unflatten(flat: Expr, shape: Sequence[int]) -> tuple[Expr, ...]:
+    index = []
+    for dim, stride in zip(shape, _strides(shape), strict=True):
+        q = Binary("floordiv", flat, Const(stride, INDEX)) if stride != 1 else flat
+        index.append(Binary("mod", q, Const(dim, INDEX)) if dim != 1 else Const(0, INDEX))
+    return tuple(index)
+
+
+def _flatten(index: Sequence[Expr], shape: Sequence[int]) -> Expr:
+    flat: Expr = Const(0, INDEX)
+    for i, stride in zip(index, _strides(shape), strict=True):
+        flat = flat + i * Const(stride, INDEX)
+    return flat
+
+
+def _reshape(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    return [
+        compute(
+            out.shape,
+            lambda *i: x[_unflatten(_flatten(i, out.shape), x.shape)],
+            ctx.stage_name(node),
+        )
+    ]
+
+
+def _transpose(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    perm = node.attr("perm")
+
+    def body(*i):
+        source = [None] * len(perm)
+        for out_axis, in_axis in enumerate(perm):
+            source[in_axis] = i[out_axis]
+        return x[tuple(source)]
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+def _concat(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    axis = node.attr("axis") % out.rank
+    parts = [(ctx.tensor(v), ctx.type(v).shape[axis]) for v in node.inputs]
+
+    def body(*i):
+        offsets, start = [], 0
+        for _, size in parts:
+            offsets.append(start)
+            start += size
+        # The last part is the default; earlier parts are selected by range, back to front.
+        result = None
+        for (tensor, _size), offset in reversed(list(zip(parts, offsets, strict=True))):
+            index = list(i)
+            index[axis] = clamp(i[axis] - Const(offset, INDEX), _size)
+            value = tensor[tuple(index)]
+            if result is None:
+                result = value
+            else:
+                limit = Const(offset + _size, INDEX)
+                result = Select(i[axis] < limit, value, result)
+        return result
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+def _split(ctx: KernelContext, node: Node):
+    x = ctx.tensor(node.inputs[0])
+    axis = node.attr("axis") % len(x.shape)
+    outputs, start = [], 0
+    for value, size in zip(node.outputs, node.attr("sizes"), strict=True):
+        shape = ctx.type(value).shape if value else None
+        offset = start
+        start += size
+        if not value:
+            continue
+
+        def body(*i, offset=offset):
+            index = list(i)
+            index[axis] = i[axis] + Const(offset, INDEX)
+            return x[tuple(index)]
+
+        outputs.append(compute(shape, body, ctx.stage_name(node)))
+    return outputs
+
+
+def _slice(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    slices = slice_objects(node, x.shape)
+
+    def body(*i):
+        index = []
+        for k, s in enumerate(slices):
+            start, _, step = s.indices(x.shape[k])
+            index.append(i[k] * Const(step, INDEX) + Const(start, INDEX))
+        return x[tuple(index)]
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+def _gather(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    data = ctx.tensor(node.inputs[0])
+    axis = node.attr("axis", 0) % len(data.shape)
+    index_type = ctx.type(node.inputs[1])
+    rank = index_type.rank
+    if ctx.is_constant(node.inputs[1]) and index_type.size == 1:
+        # A constant scalar index (the attention q/k/v select): no index buffer at all.
+        value = int(ctx.constant(node.inputs[1]).reshape(-1)[0]) % data.shape[axis]
+
+        def body(*i):
+            index = i[:axis] + (Const(value, INDEX),) + i[axis + rank :]
+            return data[index]
+
+        return [compute(out.shape, body, ctx.stage_name(node))]
+    indices = ctx.tensor(node.inputs[1])
+
+    def gathered(*i):
+        raw = Cast(INDEX, indices[i[axis : axis + rank]])
+        wrapped = Select(raw < Const(0, INDEX), raw + Const(data.shape[axis], INDEX), raw)
+        position = clamp(wrapped, data.shape[axis])
+        return data[i[:axis] + (position,) + i[axis + rank :]]
+
+    return [compute(out.shape, gathered, ctx.stage_name(node))]
+
+
+def _expand(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    return [
+        compute(
+            out.shape, lambda *i: x[broadcast_index(x.shape, out.shape, i)], ctx.stage_name(node)
+        )
+    ]
+
+
+def _tile(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    return [
+        compute(
+            out.shape,
+            lambda *i: x[
+                tuple(Binary("mod", v, Const(d, INDEX)) for v, d in zip(i, x.shape, strict=True))
+            ],
+            ctx.stage_name(node),
+        )
+    ]
+
+
+def _pad(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    if node.attr("mode", "constant") != "constant":
+        raise KernelError(f"node {node.name!r}: Pad mode {node.attr('mode')!r} has no kernel")
+    pads = node.attr("pads")
+    rank = len(x.shape)
+    fill = Const(node.attr("value", 0), x.dtype)
+
+    def body(*i):
+        source, inside = [], None
+        for k in range(rank):
+            s = i[k] - Const(pads[k], INDEX)
+            source.append(s)
+            if pads[k] > 0 or pads[k + rank] > 0:
+                ok = logical_and(s >= Const(0, INDEX), s < Const(x.shape[k], INDEX))
+                inside = ok if inside is None else logical_and(inside, ok)
+        clamped = tuple(clamp(s, x.shape[k]) for k, s in enumerate(source))
+        value = x[clamped]
+        return value if inside is None else Select(inside, value, fill)
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+KERNELS: dict[str, Builder] = {
+    "Reshape": _reshape,
+    "Transpose": _transpose,
+    "Concat": _concat,
+    "Split": _split,
+    "Slice": _slice,
+    "Gather": _gather,
+    "Expand": _expand,
+    "Tile": _tile,
+    "Pad": _pad,
+}

@@ -1,0 +1,292 @@
+"""Heavy operators: convolution, dense algebra and pooling, as tensor expressions.
+
+Weights are repacked at build time into the layouts the default schedules read with unit
+stride: a dense B into NR-wide column panels `[N/NR, K, NR]`, conv weights into 16-wide output
+channel blocks `[M/16, C/g, KH, KW, 16]`. Padding becomes its own stage, so the inner loops of
+a convolution never test bounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compiler_core.graph.ir import Node
+from compiler_core.graph.ops.nn import spatial_params
+from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
+from compiler_core.kernels.injective import clamp
+from compiler_core.loop.ir import INDEX, Binary, Const, Select, logical_and
+from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_sum
+
+CHANNEL_BLOCK = 16  # output channels per vector (16 x float32 = one zmm register)
+PANEL = 32  # GEMM columns per packed panel (two zmm registers)
+
+
+def _padded(ctx: KernelContext, node: Node, x: Tensor, pads, fill) -> Tensor:
+    nsp = len(x.shape) - 2
+    if not any(pads):
+        return x
+    shape = tuple(
+        d if k < 2 else d + pads[k - 2] + pads[k - 2 + nsp] for k, d in enumerate(x.shape)
+    )
+
+    def body(*i):
+        source, inside = list(i[:2]), None
+        for k in range(nsp):
+            s = i[2 + k] - Const(pads[k], INDEX)
+            ok = logical_and(s >= Const(0, INDEX), s < Const(x.shape[2 + k], INDEX))
+            inside = ok if inside is None else logical_and(inside, ok)
+            source.append(clamp(s, x.shape[2 + k]))
+        return Select(inside, x[tuple(source)], Const(fill, x.dtype))
+
+    return compute(shape, body, ctx.stage_name(node, prefix="pad"))
+
+
+def _window_index(i, ks, strides, dilations):
+    return tuple(
+        o * Const(s, INDEX) + k * Const(d, INDEX)
+        for o, k, s, d in zip(i, ks, strides, dilations, strict=True)
+    )
+
+
+def _conv(ctx: KernelContext, node: Node):
+    x = ctx.tensor(node.inputs[0])
+    w_type = ctx.type(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    nsp = len(x.shape) - 2
+    pads, strides, dilations = spatial_params(node, nsp)
+    group = node.attr("group", 1)
+    m, cg = w_type.shape[0], w_type.shape[1]
+    mg = m // group
+    padded = _padded(ctx, node, x, pads, 0.0)
+    c = reduce_axis(cg, "rc")
+    ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(w_type.shape[2:])]
+    has_bias = len(node.inputs) > 2 and node.inputs[2]
+
+    depthwise = cg == 1 and mg == 1
+    packed16 = ctx.is_constant(node.inputs[1]) and mg % CHANNEL_BLOCK == 0
+    if packed16:
+        weights = ctx.constant(node.inputs[1])
+        blocks = weights.reshape(m // CHANNEL_BLOCK, CHANNEL_BLOCK, cg, *w_type.shape[2:])
+        packed = np.moveaxis(blocks, 1, -1)  # [M/16, C/g, *K, 16]
+        wp = ctx.packed(node.inputs[1], "oihw16o", packed)
+
+        def weight(o):
+            block = Binary("floordiv", o, Const(CHANNEL_BLOCK, INDEX))
+            lane = Binary("mod", o, Const(CHANNEL_BLOCK, INDEX))
+            return lambda c_, k_: wp[(block, c_, *k_, lane)]
+    else:
+        w = ctx.tensor(node.inputs[1])
+
+        def weight(o):
+            return lambda c_, k_: w[(o, c_, *k_)]
+
+    def body(n, o, *spatial):
+        channel = Binary("floordiv", o, Const(mg, INDEX)) * Const(cg, INDEX) + c if group > 1 else c
+        source = padded[(n, channel, *_window_index(spatial, ks, strides, dilations))]
+        return reduce_sum(source * weight(o)(c, ks), [c, *ks])
+
+    conv = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    layout = "packed16" if packed16 else "depthwise" if depthwise else "generic"
+    ctx.note(conv.name, layout=layout)
+    if not has_bias:
+        return [conv]
+    bias = ctx.tensor(node.inputs[2])
+    return [compute(out.shape, lambda n, o, *s: conv[(n, o, *s)] + bias[o], ctx.stage_name(node))]
+
+
+def panel_width(columns: int) -> int:
+    """Columns per packed panel: 32 (two vectors) when it divides, else one panel of all
+    the columns when they are few, else 32 with zero-padded columns."""
+    if columns % PANEL == 0 or columns > 2 * PANEL:
+        return PANEL
+    return columns
+
+
+def _panel_weights(ctx: KernelContext, value: str, transpose: bool, scale: float = 1.0):
+    """A constant [K, N] (or [N, K] with `transpose`) matrix as [N/P, K, P] panels."""
+    matrix = ctx.constant(value)
+    matrix = matrix.T if transpose else matrix
+    if scale != 1.0:
+        matrix = matrix * np.asarray(scale, matrix.dtype)
+    k, n = matrix.shape
+    width = panel_width(n)
+    padded_n = -(-n // width) * width
+    if padded_n != n:
+        matrix = np.concatenate([matrix, np.zeros((k, padded_n - n), matrix.dtype)], axis=1)
+    panels = matrix.reshape(k, padded_n // width, width).transpose(1, 0, 2)
+    return ctx.packed(value, f"panel{width}{'t' if transpose else ''}", panels), width
+
+
+def _panel_read(panels: Tensor, width: int, kk, j):
+    block = Binary("floordiv", j, Const(width, INDEX))
+    lane = Binary("mod", j, Const(width, INDEX))
+    return panels[(block, kk, lane)]
+
+
+def _matmul(ctx: KernelContext, node: Node):
+    a_type, b_type = ctx.type(node.inputs[0]), ctx.type(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    if a_type.rank < 2 or b_type.rank < 2:
+        raise KernelError(f"node {node.name!r}: MatMul of vectors has no kernel yet")
+    a = ctx.tensor(node.inputs[0])
+    k_dim = a_type.shape[-1]
+    kk = reduce_axis(k_dim, "rk")
+    width = 0
+    if b_type.rank == 2 and ctx.is_constant(node.inputs[1]):
+        panels, width = _panel_weights(ctx, node.inputs[1], transpose=False)
+
+        def b_at(batch, j):
+            return _panel_read(panels, width, kk, j)
+    else:
+        b = ctx.tensor(node.inputs[1])
+
+        def b_at(batch, j):
+            return b[broadcast_index(b.shape[:-2], out.shape[:-2], batch) + (kk, j)]
+
+    def body(*index):
+        batch, i, j = index[:-2], index[-2], index[-1]
+        a_index = broadcast_index(a.shape[:-2], out.shape[:-2], batch) + (i, kk)
+        return reduce_sum(a[a_index] * b_at(batch, j), kk)
+
+    product = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    ctx.note(product.name, panel=width)
+    return [product]
+
+
+def _gemm(ctx: KernelContext, node: Node):
+    a_value, b_value = node.inputs[0], node.inputs[1]
+    out = ctx.type(node.outputs[0])
+    alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 1.0)
+    trans_a, trans_b = node.attr("transA", 0), node.attr("transB", 0)
+    a = ctx.tensor(a_value)
+    k_dim = ctx.type(a_value).shape[0 if trans_a else 1]
+    kk = reduce_axis(k_dim, "rk")
+    width = 0
+    if ctx.is_constant(b_value):
+        panels, width = _panel_weights(ctx, b_value, transpose=bool(trans_b), scale=alpha)
+        alpha = 1.0
+
+        def b_at(j):
+            return _panel_read(panels, width, kk, j)
+    else:
+        b = ctx.tensor(b_value)
+
+        def b_at(j):
+            return b[(j, kk) if trans_b else (kk, j)]
+
+    def body(i, j):
+        a_at = a[(kk, i) if trans_a else (i, kk)]
+        return reduce_sum(a_at * b_at(j), kk)
+
+    product = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    ctx.note(product.name, panel=width)
+    has_c = len(node.inputs) > 2 and node.inputs[2]
+    if not has_c and alpha == 1.0:
+        return [product]
+    c = ctx.tensor(node.inputs[2]) if has_c else None
+
+    def epilogue(i, j):
+        value = product[i, j]
+        if alpha != 1.0:
+            value = value * Const(alpha, out.dtype)
+        if c is not None:
+            term = c[broadcast_index(c.shape, out.shape, (i, j))]
+            value = value + (term * Const(beta, out.dtype) if beta != 1.0 else term)
+        return value
+
+    return [compute(out.shape, epilogue, ctx.stage_name(node))]
+
+
+def _pool(kind: str) -> Builder:
+    def build(ctx: KernelContext, node: Node):
+        if any(node.outputs[1:]):
+            raise KernelError(f"node {node.name!r}: MaxPool indices output has no kernel")
+        x = ctx.tensor(node.inputs[0])
+        out = ctx.type(node.outputs[0])
+        kernel = node.attr("kernel_shape")
+        nsp = len(kernel)
+        pads, strides, dilations = spatial_params(node, nsp)
+        # Ceil mode may read past the end padding: extend it, as the reference does.
+        ends = [
+            max(
+                pads[k + nsp],
+                (out.shape[2 + k] - 1) * strides[k]
+                + (kernel[k] - 1) * dilations[k]
+                + 1
+                - x.shape[2 + k]
+                - pads[k],
+            )
+            for k in range(nsp)
+        ]
+        full_pads = tuple(pads[:nsp]) + tuple(ends)
+        low = -np.inf if kind == "max" else 0.0
+        padded = _padded(ctx, node, x, full_pads, low)
+        ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(kernel)]
+
+        def window(n, c, *spatial):
+            return padded[(n, c, *_window_index(spatial, ks, strides, dilations))]
+
+        if kind == "max":
+            return [compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))]
+        total = compute(out.shape, lambda *i: reduce_sum(window(*i), ks), ctx.stage_name(node))
+        counts = _average_divisors(node, x.shape, out.shape, kernel, pads, strides, dilations)
+        divisor = ctx.packed(node.outputs[0], "pool_divisor", counts.astype(np.float32))
+        return [
+            compute(
+                out.shape,
+                lambda n, c, *s: total[(n, c, *s)] / divisor[tuple(s)],
+                ctx.stage_name(node),
+            )
+        ]
+
+    return build
+
+
+def _average_divisors(node, in_shape, out_shape, kernel, pads, strides, dilations):
+    """How many elements each average-pool window counts (a build-time constant)."""
+    nsp = len(kernel)
+    include_pad = bool(node.attr("count_include_pad", 0))
+    counts = np.ones(out_shape[2:], np.float64)
+    for k in range(nsp):
+        size, o = in_shape[2 + k], np.arange(out_shape[2 + k])
+        starts = o * strides[k] - pads[k]
+        taps = starts[:, None] + np.arange(kernel[k])[None, :] * dilations[k]
+        low, high = (-pads[k], size + pads[k + nsp]) if include_pad else (0, size)
+        per_axis = ((taps >= low) & (taps < high)).sum(axis=1)
+        shape = [1] * nsp
+        shape[k] = len(per_axis)
+        counts = counts * per_axis.reshape(shape)
+    return counts
+
+
+def _lrn(ctx: KernelContext, node: Node):
+    x = ctx.tensor(node.inputs[0])
+    size = node.attr("size")
+    alpha, beta, bias = node.attr("alpha", 1e-4), node.attr("beta", 0.75), node.attr("bias", 1.0)
+    channels = x.shape[1]
+    before = (size - 1) // 2
+    r = reduce_axis(size, "rc")
+
+    def square_sum(n, c, *s):
+        source = c - Const(before, INDEX) + r
+        inside = logical_and(source >= Const(0, INDEX), source < Const(channels, INDEX))
+        value = x[(n, clamp(source, channels), *s)]
+        return reduce_sum(Select(inside, value * value, Const(0.0, x.dtype)), r)
+
+    sums = compute(x.shape, square_sum, ctx.stage_name(node))
+
+    def body(*i):
+        base = Const(bias, x.dtype) + Const(alpha / size, x.dtype) * sums[i]
+        return x[i] / Binary("pow", base, Const(beta, x.dtype))
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
+KERNELS: dict[str, Builder] = {
+    "Conv": _conv,
+    "MatMul": _matmul,
+    "Gemm": _gemm,
+    "MaxPool": _pool("max"),
+    "AveragePool": _pool("avg"),
+    "LRN": _lrn,
+}

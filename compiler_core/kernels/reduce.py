@@ -1,0 +1,150 @@
+"""Reductions, the softmax family and normalizations, as multi-stage tensor expressions."""
+
+from __future__ import annotations
+
+import math
+
+from compiler_core.graph.ir import Node
+from compiler_core.graph.ops.reduce import reduce_axes
+from compiler_core.kernels.base import Builder, KernelContext, KernelError
+from compiler_core.loop.ir import Const, Expr, Unary
+from compiler_core.te import compute, reduce_axis, reduce_max, reduce_min, reduce_sum
+
+
+def _reduction(ctx: KernelContext, node: Node, x_value: str, combiner, transform=None):
+    """Reduce `x` over the node's axes: returns (tensor, count of reduced elements)."""
+    x = ctx.tensor(x_value)
+    axes = reduce_axes(node, len(x.shape))
+    keep = node.attr("keepdims", 1)
+    out = ctx.type(node.outputs[0])
+    raxes = [reduce_axis(x.shape[a], f"r{a}") for a in axes]
+    count = math.prod(x.shape[a] for a in axes)
+
+    def body(*i):
+        index, position = [], 0
+        for k in range(len(x.shape)):
+            if k in axes:
+                index.append(raxes[axes.index(k)])
+                position += 1 if keep else 0
+            else:
+                index.append(i[position])
+                position += 1
+        value = x[tuple(index)]
+        return combiner(transform(value) if transform else value, raxes)
+
+    name = ctx.stage_name(node)
+    return compute(out.shape, body, name, out.dtype), count
+
+
+def _simple(combiner, transform=None, finish=None) -> Builder:
+    def build(ctx: KernelContext, node: Node):
+        total, count = _reduction(ctx, node, node.inputs[0], combiner, transform)
+        if finish is None:
+            return [total]
+        return [compute(total.shape, lambda *i: finish(total[i], count), ctx.stage_name(node))]
+
+    return build
+
+
+def _mean(value: Expr, count: int) -> Expr:
+    return value / Const(float(count), value.dtype)
+
+
+KERNELS_REDUCE: dict[str, Builder] = {
+    "ReduceSum": _simple(reduce_sum),
+    "ReduceMean": _simple(reduce_sum, finish=_mean),
+    "ReduceMax": _simple(reduce_max),
+    "ReduceMin": _simple(reduce_min),
+    "ReduceSumSquare": _simple(reduce_sum, transform=lambda v: v * v),
+    "ReduceL1": _simple(reduce_sum, transform=lambda v: Unary("abs", v)),
+    "ReduceL2": _simple(
+        reduce_sum, transform=lambda v: v * v, finish=lambda v, n: Unary("sqrt", v)
+    ),
+}
+
+
+def _softmax(log: bool) -> Builder:
+    def build(ctx: KernelContext, node: Node):
+        x = ctx.tensor(node.inputs[0])
+        rank = len(x.shape)
+        axis = node.attr("axis", -1) % rank
+        k = reduce_axis(x.shape[axis], "r")
+
+        def along(i, j):
+            return tuple(j if d == axis else i[d] for d in range(rank))
+
+        def keep(i):
+            return tuple(Const(0, "int64") if d == axis else i[d] for d in range(rank))
+
+        reduced_shape = tuple(1 if d == axis else s for d, s in enumerate(x.shape))
+        peak = compute(
+            reduced_shape, lambda *i: reduce_max(x[along(i, k)], k), ctx.stage_name(node)
+        )
+        k2 = reduce_axis(x.shape[axis], "r")
+        total = compute(
+            reduced_shape,
+            lambda *i: reduce_sum(Unary("exp", x[along(i, k2)] - peak[i]), k2),
+            ctx.stage_name(node),
+        )
+        if log:
+            body = lambda *i: x[i] - peak[keep(i)] - Unary("log", total[keep(i)])  # noqa: E731
+        else:
+            body = lambda *i: Unary("exp", x[i] - peak[keep(i)]) / total[keep(i)]  # noqa: E731
+        return [compute(x.shape, body, ctx.stage_name(node))]
+
+    return build
+
+
+def _layer_norm(ctx: KernelContext, node: Node):
+    if any(node.outputs[1:]):
+        raise KernelError(f"node {node.name!r}: LayerNormalization statistics outputs")
+    x = ctx.tensor(node.inputs[0])
+    rank = len(x.shape)
+    axis = node.attr("axis", -1) % rank
+    inner = x.shape[axis:]
+    count = math.prod(inner)
+    eps = node.attr("epsilon", 1e-5)
+    stat_shape = x.shape[:axis]
+
+    def over(i, ks):
+        return tuple(i) + tuple(ks)
+
+    inverse_count = Const(1.0 / count, x.dtype)
+    ks = [reduce_axis(d, f"r{j}") for j, d in enumerate(inner)]
+    total = compute(stat_shape, lambda *i: reduce_sum(x[over(i, ks)], ks), ctx.stage_name(node))
+    ks2 = [reduce_axis(d, f"r{j}") for j, d in enumerate(inner)]
+
+    def centered_square(i):
+        d = x[over(i, ks2)] - total[tuple(i)] * inverse_count
+        return d * d
+
+    squares = compute(
+        stat_shape, lambda *i: reduce_sum(centered_square(i), ks2), ctx.stage_name(node)
+    )
+    scale = ctx.tensor(node.inputs[1])
+    bias = ctx.tensor(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+
+    def body(*i):
+        outer, rest = i[:axis], i[axis:]
+        mean, variance = total[outer] * inverse_count, squares[outer] * inverse_count
+        normalized = (x[i] - mean) / Unary("sqrt", variance + Const(eps, x.dtype))
+        scaled = normalized * scale[_param_index(scale, rest)]
+        return scaled + bias[_param_index(bias, rest)] if bias is not None else scaled
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
+def _param_index(param, rest):
+    """Scale and bias broadcast against the normalized axes (their rank may be smaller)."""
+    offset = len(rest) - len(param.shape)
+    return tuple(
+        Const(0, "int64") if dim == 1 else rest[offset + k] for k, dim in enumerate(param.shape)
+    )
+
+
+KERNELS: dict[str, Builder] = {
+    **KERNELS_REDUCE,
+    "Softmax": _softmax(log=False),
+    "LogSoftmax": _softmax(log=True),
+    "LayerNormalization": _layer_norm,
+}

@@ -1,0 +1,189 @@
+"""Default CPU schedules for a fused group's lowered function.
+
+A group's stages are named by the kernel context (`conv3`, `relu4`, `padconv3`...); their
+loops are `<stage>_i<k>` (spatial) and `<stage>_<axis>` (reduction). The default schedule
+inlines pure intermediate stages, gives the heavy anchor (conv, matmul, gemm) a register-tiled
+schedule with its epilogue folded into the single store, and parallelizes and vectorizes the
+rest. Everything is a list of records: the tuner replaces these defaults with measured ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from compiler_core.schedule.primitives import (
+    CacheWrite,
+    ComputeInline,
+    Fuse,
+    Parallel,
+    Record,
+    Reorder,
+    ReverseComputeInline,
+    Split,
+    Unroll,
+    Vectorize,
+)
+
+VECTOR_LANES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    name: str
+    shape: tuple[int, ...]
+    reduce_axes: tuple[tuple[str, int], ...]  # (loop name, extent)
+    output: bool
+    op: str  # the graph operator that produced this stage
+    reads: tuple[str, ...]  # stage names this stage reads
+    notes: tuple[tuple[str, object], ...] = ()  # facts from the kernel builder
+
+    def note(self, key: str, default=None):
+        return dict(self.notes).get(key, default)
+
+    @property
+    def pure(self) -> bool:
+        return not self.reduce_axes
+
+    def loop(self, k: int) -> str:
+        return f"{self.name}_i{k}"
+
+
+def _largest_divisor(n: int, candidates) -> int:
+    return next((c for c in candidates if c <= n and n % c == 0), 1)
+
+
+def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[StageInfo]]:
+    records, kept = [], []
+    for s in stages:
+        if s.pure and not s.output and not s.name.startswith("pad"):
+            records.append(ComputeInline(s.name))
+        else:
+            kept.append(s)
+    return records, kept
+
+
+def _epilogue_of(anchor: StageInfo, kept: list[StageInfo], inlined: set[str], all_stages):
+    """The output stage that reads the anchor (after inlining), if it is a pure epilogue."""
+    by_name = {s.name: s for s in all_stages}
+
+    def reaches(stage: StageInfo) -> bool:
+        return any(r == anchor.name or (r in inlined and reaches(by_name[r])) for r in stage.reads)
+
+    for s in kept:
+        if s.output and s.pure and s is not anchor and s.shape == anchor.shape and reaches(s):
+            return s
+    return None
+
+
+def conv_schedule(conv: StageInfo, epilogue: StageInfo | None, depthwise: bool) -> list[Record]:
+    n_loop, m_loop, y_loop, x_loop = (conv.loop(k) for k in range(4))
+    width = conv.shape[3]
+    reduce_loops = [name for name, _ in conv.reduce_axes]
+    records: list[Record] = []
+    if depthwise:
+        lanes = _largest_divisor(width, (16, 8, 4))
+        records += [Split(x_loop, lanes)]
+        records += [Reorder((n_loop, m_loop, y_loop, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i"))]
+        records += [CacheWrite(conv.name, reduce_loops[0])]
+        if lanes > 1:
+            records.append(Vectorize(f"{x_loop}_i"))
+        if epilogue is not None:
+            records.append(ReverseComputeInline(epilogue.name))
+        records += [Fuse(m_loop, y_loop), Parallel(f"{m_loop}_{y_loop}_f")]
+        return records
+    tile = _largest_divisor(width, (8, 7, 6, 5, 4, 3, 2))
+    records += [Split(m_loop, VECTOR_LANES), Split(x_loop, tile)]
+    records += [
+        Reorder(
+            (
+                n_loop,
+                f"{m_loop}_o",
+                y_loop,
+                f"{x_loop}_o",
+                *reduce_loops,
+                f"{x_loop}_i",
+                f"{m_loop}_i",
+            )
+        )
+    ]
+    records += [
+        CacheWrite(conv.name, reduce_loops[0]),
+        Vectorize(f"{m_loop}_i"),
+        Unroll(f"{x_loop}_i"),
+    ]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    records += [Fuse(f"{m_loop}_o", y_loop), Parallel(f"{m_loop}_o_{y_loop}_f")]
+    return records
+
+
+def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> list[Record]:
+    rank = len(mm.shape)
+    rows, cols = mm.shape[-2], mm.shape[-1]
+    batch_loops = [mm.loop(k) for k in range(rank - 2)]
+    i_loop, j_loop = mm.loop(rank - 2), mm.loop(rank - 1)
+    ((k_loop, _),) = mm.reduce_axes
+    mr = _largest_divisor(rows, (6, 4, 3, 2))
+    nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
+    records: list[Record] = [Split(i_loop, mr), Split(j_loop, nr)]
+    inner_j = [f"{j_loop}_i"]
+    if nr > VECTOR_LANES and nr % VECTOR_LANES == 0:
+        records.append(Split(f"{j_loop}_i", VECTOR_LANES))
+        inner_j = [f"{j_loop}_i_o", f"{j_loop}_i_i"]
+    order = (*batch_loops, f"{i_loop}_o", f"{j_loop}_o", k_loop, f"{i_loop}_i", *inner_j)
+    records += [Reorder(order), CacheWrite(mm.name, k_loop)]
+    if nr >= 4:
+        records.append(Vectorize(inner_j[-1]))
+    if len(inner_j) == 2:
+        records.append(Unroll(inner_j[0]))
+    records.append(Unroll(f"{i_loop}_i"))
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    outer = [*batch_loops, f"{i_loop}_o", f"{j_loop}_o"]
+    extents = [*mm.shape[:-2], rows // mr, -(-cols // nr)]
+    parallel = next((loop for loop, e in zip(outer, extents, strict=True) if e > 1), None)
+    if parallel is not None:
+        records.append(Parallel(parallel))
+    return records
+
+
+def generic_schedule(stage: StageInfo) -> list[Record]:
+    """Parallel outermost loop with work; vectorize the innermost loop of a pure stage."""
+    records: list[Record] = []
+    rank = len(stage.shape)
+    if rank == 0:
+        return records
+    inner = rank - 1
+    if stage.pure and stage.shape[inner] % VECTOR_LANES == 0:
+        records += [Split(stage.loop(inner), VECTOR_LANES), Vectorize(f"{stage.loop(inner)}_i")]
+    outer = next((k for k in range(rank) if stage.shape[k] > 1), None)
+    if outer is not None and not (stage.pure and outer == inner and records):
+        records.append(Parallel(stage.loop(outer)))
+    elif outer is not None and records:
+        records.append(Parallel(f"{stage.loop(inner)}_o"))
+    return records
+
+
+ANCHOR_OPS = ("Conv", "MatMul", "Gemm")
+
+
+def default_schedule(stages: list[StageInfo]) -> list[Record]:
+    records, kept = _inline_intermediates(stages)
+    inlined = {s.name for s in stages} - {s.name for s in kept}
+    handled: set[str] = set()
+    anchor = next((s for s in kept if s.op in ANCHOR_OPS and s.reduce_axes), None)
+    if anchor is not None:
+        epilogue = _epilogue_of(anchor, kept, inlined, stages)
+        layout = anchor.note("layout")
+        if anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed16", "depthwise"):
+            records += conv_schedule(anchor, epilogue, depthwise=layout == "depthwise")
+            handled.add(anchor.name)
+        elif anchor.op in ("MatMul", "Gemm"):
+            records += matmul_schedule(anchor, epilogue, anchor.note("panel") or 32)
+            handled.add(anchor.name)
+        if epilogue is not None and anchor.name in handled:
+            handled.add(epilogue.name)
+    for stage in kept:
+        if stage.name not in handled:
+            records += generic_schedule(stage)
+    return records
