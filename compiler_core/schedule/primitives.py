@@ -516,6 +516,20 @@ def _without_reduction_init(loop: For, buffer: Buffer, inside: set[str], record)
     return stripped, next(iter(values))
 
 
+def _tile_dim_order(loop: For, buffer: Buffer) -> list[int]:
+    """Buffer dimensions ordered by the depth of the loop that walks them, innermost last:
+    the tile's layout follows the loop nest, so a vectorized loop reads its tile
+    contiguously."""
+    depth = {s.var.name: k for k, s in enumerate(x for x in walk_stmts(loop) if isinstance(x, For))}
+    store = next(s for s in walk_stmts(loop.body) if isinstance(s, Store) and s.buffer == buffer)
+
+    def dim_depth(d: int) -> int:
+        names = [x.name for x in walk_exprs(store.indices[d]) if isinstance(x, Var)]
+        return max((depth[n] for n in names if n in depth), default=-1)
+
+    return sorted(range(len(buffer.shape)), key=lambda d: (dim_depth(d), d))
+
+
 def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     buffer, _ = _stage_buffer(func, r.stage, r)
     target = _loop(func, r.loop, r)
@@ -525,14 +539,15 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     # The local buffer covers everything the stage writes over the whole of `loop`.
     inside = _inner_ranges(target)
     starts, extents = _region(target, buffer, inside)
-    local = Buffer(f"{buffer.name}_local", tuple(extents), buffer.dtype, "local")
+    order = _tile_dim_order(target, buffer)
+    local = Buffer(f"{buffer.name}_local", tuple(extents[d] for d in order), buffer.dtype, "local")
     stripped, init_value = _without_reduction_init(target, buffer, set(inside), r)
     # Loops over a small tile are unrolled, so that its indices are constants and LLVM keeps
     # the whole tile in registers.
     tile_kind = ForKind.UNROLLED if local.size <= MAX_UNROLL else ForKind.SERIAL
 
     def offset(indices: tuple[Expr, ...]) -> tuple[Expr, ...]:
-        return tuple(Binary("sub", i, s) for i, s in zip(indices, starts, strict=True))
+        return tuple(Binary("sub", indices[d], starts[d]) for d in order)
 
     def redirect_expr(e: Expr):
         if isinstance(e, Load) and e.buffer == buffer:
@@ -548,11 +563,11 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     if init_value is not None:  # the first reduction step's store, done once up front
         fill_vars = [Var(f"{buffer.name}_init{d}") for d in range(len(extents))]
         fill: Stmt = Store(local, tuple(fill_vars), init_value)
-        for var, extent in reversed(list(zip(fill_vars, extents, strict=True))):
+        for var, extent in reversed(list(zip(fill_vars, local.shape, strict=True))):
             fill = For(var, extent, fill, tile_kind)
         computed = seq(fill, computed)
-    copy_vars = [Var(f"{buffer.name}_wb{d}") for d in range(len(extents))]
-    index = tuple(Binary("add", s, v) for s, v in zip(starts, copy_vars, strict=True))
+    copy_vars = [Var(f"{buffer.name}_wb{k}") for k in range(len(extents))]
+    index = tuple(Binary("add", starts[d], copy_vars[order.index(d)]) for d in range(len(starts)))
     copy: Stmt = Store(buffer, index, Load(local, tuple(copy_vars)))
     ranges = _enclosing_ranges(func, target)
     guards = [
@@ -562,7 +577,7 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     ]
     for guard in guards:
         copy = IfThenElse(guard, copy)
-    for var, extent in reversed(list(zip(copy_vars, extents, strict=True))):
+    for var, extent in reversed(list(zip(copy_vars, local.shape, strict=True))):
         copy = For(var, extent, copy, tile_kind)
     new = Allocate(local, seq(computed, copy))
     return _with_body(func, replace_stmt(func.body, target, new))
