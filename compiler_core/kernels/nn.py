@@ -63,17 +63,18 @@ def _conv(ctx: KernelContext, node: Node):
     has_bias = len(node.inputs) > 2 and node.inputs[2]
 
     depthwise = cg == 1 and mg == 1
-    packed16 = ctx.is_constant(node.inputs[1]) and mg % CHANNEL_BLOCK == 0
-    if packed16:
+    block = next((b for b in (CHANNEL_BLOCK, 8, 4) if mg % b == 0), 0)
+    packed = ctx.is_constant(node.inputs[1]) and block > 0 and not depthwise
+    if packed:
         weights = ctx.constant(node.inputs[1])
-        blocks = weights.reshape(m // CHANNEL_BLOCK, CHANNEL_BLOCK, cg, *w_type.shape[2:])
-        packed = np.moveaxis(blocks, 1, -1)  # [M/16, C/g, *K, 16]
-        wp = ctx.packed(node.inputs[1], "oihw16o", packed)
+        blocks = weights.reshape(m // block, block, cg, *w_type.shape[2:])
+        layout = np.moveaxis(blocks, 1, -1)  # [M/b, C/g, *K, b]
+        wp = ctx.packed(node.inputs[1], f"oihw{block}o", layout)
 
         def weight(o):
-            block = Binary("floordiv", o, Const(CHANNEL_BLOCK, INDEX))
-            lane = Binary("mod", o, Const(CHANNEL_BLOCK, INDEX))
-            return lambda c_, k_: wp[(block, c_, *k_, lane)]
+            outer = Binary("floordiv", o, Const(block, INDEX))
+            lane = Binary("mod", o, Const(block, INDEX))
+            return lambda c_, k_: wp[(outer, c_, *k_, lane)]
     else:
         w = ctx.tensor(node.inputs[1])
 
@@ -86,8 +87,11 @@ def _conv(ctx: KernelContext, node: Node):
         return reduce_sum(source * weight(o)(c, ks), [c, *ks])
 
     conv = compute(out.shape, body, ctx.stage_name(node), out.dtype)
-    layout = "packed16" if packed16 else "depthwise" if depthwise else "generic"
-    ctx.note(conv.name, layout=layout)
+    ctx.note(
+        conv.name,
+        layout="packed" if packed else "depthwise" if depthwise else "generic",
+        block=block,
+    )
     if not has_bias:
         return [conv]
     bias = ctx.tensor(node.inputs[2])

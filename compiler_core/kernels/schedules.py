@@ -75,7 +75,9 @@ def _epilogue_of(anchor: StageInfo, kept: list[StageInfo], inlined: set[str], al
     return None
 
 
-def conv_schedule(conv: StageInfo, epilogue: StageInfo | None, depthwise: bool) -> list[Record]:
+def conv_schedule(
+    conv: StageInfo, epilogue: StageInfo | None, depthwise: bool, block: int
+) -> list[Record]:
     n_loop, m_loop, y_loop, x_loop = (conv.loop(k) for k in range(4))
     width = conv.shape[3]
     reduce_loops = [name for name, _ in conv.reduce_axes]
@@ -92,7 +94,7 @@ def conv_schedule(conv: StageInfo, epilogue: StageInfo | None, depthwise: bool) 
         records += [Fuse(m_loop, y_loop), Parallel(f"{m_loop}_{y_loop}_f")]
         return records
     tile = _largest_divisor(width, (8, 7, 6, 5, 4, 3, 2))
-    records += [Split(m_loop, VECTOR_LANES), Split(x_loop, tile)]
+    records += [Split(m_loop, block), Split(x_loop, tile)]
     records += [
         Reorder(
             (
@@ -175,8 +177,9 @@ def default_schedule(stages: list[StageInfo]) -> list[Record]:
     if anchor is not None:
         epilogue = _epilogue_of(anchor, kept, inlined, stages)
         layout = anchor.note("layout")
-        if anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed16", "depthwise"):
-            records += conv_schedule(anchor, epilogue, depthwise=layout == "depthwise")
+        if anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed", "depthwise"):
+            depthwise = layout == "depthwise"
+            records += conv_schedule(anchor, epilogue, depthwise, anchor.note("block"))
             handled.add(anchor.name)
         elif anchor.op in ("MatMul", "Gemm"):
             records += matmul_schedule(anchor, epilogue, anchor.note("panel") or 32)
