@@ -1,7 +1,129 @@
-"""image operators (filled in by the conformance work)."""
+"""Image operators. Resize is separable: along each resized axis the output is a fixed weight
+matrix (out x in) applied to the input, which is how the reference computes it."""
 
 from __future__ import annotations
 
-from compiler_core.graph.ops.base import OpDef
+import numpy as np
 
-OPS: dict[str, OpDef] = {}
+from compiler_core.graph.ir import OpKind, TensorType
+from compiler_core.graph.ops.base import OpDef, opdef
+
+
+def source_coordinates(node, axis: int, in_len: int, out_len: int, scale: float) -> np.ndarray:
+    """Where each output position samples the input, per the coordinate transformation."""
+    x = np.arange(out_len, dtype=np.float64)
+    mode = node.attr("coordinate_transformation_mode", "half_pixel")
+    # The corner-aligned modes use the unrounded output length, scale * input length.
+    exact_len = scale * in_len
+    if mode == "align_corners":
+        return np.zeros_like(x) if exact_len == 1 else x * (in_len - 1) / (exact_len - 1)
+    if mode == "asymmetric":
+        return x / scale
+    if mode == "pytorch_half_pixel":
+        return np.full_like(x, -0.5) if exact_len == 1 else (x + 0.5) / scale - 0.5
+    if mode == "half_pixel":
+        return (x + 0.5) / scale - 0.5
+    if mode == "half_pixel_symmetric":
+        adjustment = out_len / (scale * in_len)
+        offset = in_len / 2 * (1 - adjustment)
+        return offset + (x + 0.5) / scale - 0.5
+    if mode == "tf_crop_and_resize":
+        start, end = node.attr("roi")[axis]
+        if exact_len == 1:
+            return np.full_like(x, (end - start) * (in_len - 1) / 2 + start * (in_len - 1))
+        return start * (in_len - 1) + x * (end - start) * (in_len - 1) / (exact_len - 1)
+    raise ValueError(f"unknown coordinate_transformation_mode {mode!r}")
+
+
+def _nearest_taps(node, ratio):
+    mode = node.attr("nearest_mode", "round_prefer_floor")
+    integral = ratio == 1.0
+    if mode == "round_prefer_floor":
+        right = ratio > 0.5
+    elif mode == "round_prefer_ceil":
+        right = ratio >= 0.5
+    elif mode == "floor":
+        right = np.zeros_like(ratio, bool)
+    elif mode == "ceil":
+        right = np.ones_like(ratio, bool)
+    else:
+        raise ValueError(f"unknown nearest_mode {mode!r}")
+    right = right | integral
+    return 0, np.stack([~right, right], axis=1).astype(np.float64)
+
+
+def _cubic(distance, a):
+    d = np.abs(distance)
+    near = ((a + 2) * d - (a + 3)) * d * d + 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+    return np.where(d <= 1, near, np.where(d < 2, far, 0.0))
+
+
+def _filter_taps(node, ratio, scale):
+    """(first tap offset, weights[out, taps]) for linear and cubic, with antialiasing."""
+    mode = node.attr("mode", "nearest")
+    support = 1 if mode == "linear" else 2
+    shrink = min(scale, 1.0) if node.attr("antialias", 0) else 1.0
+    start = int(np.floor(-support / shrink) + 1)
+    offsets = np.arange(start, 1 - start + 1)  # taps relative to x0 = x - ratio
+    distance = (offsets[None, :] - ratio[:, None]) * shrink
+    if mode == "linear":
+        weights = np.clip(1 - np.abs(distance), 0, 1)
+    else:
+        weights = _cubic(distance, node.attr("cubic_coeff_a", -0.75))
+    if shrink != 1.0:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return start, weights
+
+
+def axis_weights(node, axis: int, in_len: int, out_len: int, scale: float):
+    """(weight matrix [out, in], mask of outputs that fall outside a crop-and-resize roi)."""
+    x = source_coordinates(node, axis, in_len, out_len, scale)
+    floor = np.floor(x)
+    ratio = np.where(x == floor, 1.0, x - floor)  # in (0, 1]: the left neighbour is preferred
+    left = (x - ratio).astype(np.int64)
+    if node.attr("mode", "nearest") == "nearest":
+        start, taps = _nearest_taps(node, ratio)
+    else:
+        start, taps = _filter_taps(node, ratio, scale)
+    index = left[:, None] + start + np.arange(taps.shape[1])[None, :]
+    if node.attr("exclude_outside", 0):
+        taps = np.where((index >= 0) & (index < in_len), taps, 0.0)
+        taps = taps / taps.sum(axis=1, keepdims=True)
+    matrix = np.zeros((out_len, in_len))
+    rows = np.repeat(np.arange(out_len), taps.shape[1])
+    np.add.at(matrix, (rows, np.clip(index, 0, in_len - 1).reshape(-1)), taps.reshape(-1))
+    outside = np.zeros(out_len, bool)
+    if node.attr("coordinate_transformation_mode", "") == "tf_crop_and_resize":
+        outside = (x < 0) | (x > in_len - 1)
+    return matrix, outside
+
+
+def _resize(node, inputs):
+    x = inputs[0]
+    out_shape = node.attr("sizes")
+    scales = node.attr("scales")
+    result = x.astype(np.float64)
+    outside = np.zeros(out_shape, bool)
+    for axis, (in_len, out_len) in enumerate(zip(x.shape, out_shape, strict=True)):
+        if in_len == out_len and scales[axis] == 1.0 and node.attr("roi", None) is None:
+            continue
+        matrix, out_of_roi = axis_weights(node, axis, in_len, out_len, scales[axis])
+        result = np.moveaxis(np.tensordot(result, matrix, axes=([axis], [1])), -1, axis)
+        if out_of_roi.any():
+            shape = [1] * len(out_shape)
+            shape[axis] = out_len
+            outside = outside | out_of_roi.reshape(shape)
+    result = np.where(outside, node.attr("extrapolation_value", 0.0), result)
+    if x.dtype.kind in "iu":
+        result = np.round(result)
+    return [result.astype(x.dtype)]
+
+
+def _resize_rule(node, types):
+    return [TensorType(tuple(node.attr("sizes")), types[0].dtype)]
+
+
+OPS: dict[str, OpDef] = {
+    "Resize": opdef("Resize", OpKind.INJECTIVE, _resize_rule, _resize),
+}
