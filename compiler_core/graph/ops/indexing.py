@@ -169,7 +169,6 @@ def _bit_cast(node, inputs):
     if target.itemsize < x.dtype.itemsize:  # each element splits along a new last axis
         ratio = x.dtype.itemsize // target.itemsize
         return [np.ascontiguousarray(x).view(target).reshape(x.shape + (ratio,))]
-    ratio = target.itemsize // x.dtype.itemsize  # the last axis merges into one element
     return [np.ascontiguousarray(x).view(target).reshape(x.shape[:-1])]
 
 
