@@ -86,7 +86,19 @@ def convert_upsample(ctx, node, attrs):
     )
 
 
+def convert_grid_sample(ctx, node, attrs):
+    ctx.emit(
+        "GridSample",
+        list(node.input),
+        list(node.output),
+        mode=attrs.get("mode", "linear" if ctx.opset >= 20 else "bilinear"),
+        padding_mode=attrs.get("padding_mode", "zeros"),
+        align_corners=attrs.get("align_corners", 0),
+    )
+
+
 CONVERTERS: dict[str, dict[int, Converter]] = {
+    "GridSample": {16: convert_grid_sample},
     "Resize": {11: convert_resize},
     "Upsample": {9: convert_upsample},
 }

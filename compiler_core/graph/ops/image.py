@@ -127,3 +127,103 @@ def _resize_rule(node, types):
 OPS: dict[str, OpDef] = {
     "Resize": opdef("Resize", OpKind.INJECTIVE, _resize_rule, _resize),
 }
+
+
+# --- GridSample ----------------------------------------------------------------------------
+
+
+def _reflect(x: np.ndarray, twice_low: float, twice_high: float) -> np.ndarray:
+    if twice_low == twice_high:
+        return np.zeros_like(x)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    x = np.abs(x - low)
+    extra, flips = np.fmod(x, span), np.floor(x / span)
+    return np.where(flips % 2 == 0, extra + low, span - extra + low)
+
+
+def _pad_coordinate(x: np.ndarray, size: int, padding: str, align: bool) -> np.ndarray:
+    """Border and reflection padding act on the sampling coordinate."""
+    if padding == "border":
+        return np.clip(x, 0, size - 1)
+    if padding == "reflection":
+        bounds = (0, 2 * (size - 1)) if align else (-1, 2 * size - 1)
+        return np.clip(_reflect(x, *bounds), 0, size - 1)
+    return x
+
+
+def _unnormalize(g: np.ndarray, size: int, align: bool) -> np.ndarray:
+    return (g + 1) / 2 * (size - 1) if align else ((g + 1) * size - 1) / 2
+
+
+def _sample(x: np.ndarray, batch: np.ndarray, taps: list[np.ndarray]) -> np.ndarray:
+    """x[n, :, taps...] for every output point, zero where a tap is out of bounds."""
+    sizes = x.shape[2:]
+    inside = np.ones(taps[0].shape, bool)
+    clipped = []
+    for tap, size in zip(taps, sizes, strict=True):
+        inside &= (tap >= 0) & (tap < size)
+        clipped.append(np.clip(tap, 0, size - 1))
+    values = x[(batch, slice(None), *clipped)]  # (N, *out, C)
+    values = np.where(inside[..., None], values, 0.0)
+    return np.moveaxis(values, -1, 1)
+
+
+def _grid_sample(node, inputs):
+    x, grid = inputs[0].astype(np.float64), inputs[1].astype(np.float64)
+    nsp = x.ndim - 2
+    sizes = x.shape[2:]
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(
+        node.attr("mode", "linear"), node.attr("mode", "linear")
+    )
+    padding = node.attr("padding_mode", "zeros")
+    align = bool(node.attr("align_corners", 0))
+    # grid's last axis lists coordinates innermost-dimension first (x, y, ...).
+    coords = [_unnormalize(grid[..., nsp - 1 - d], sizes[d], align) for d in range(nsp)]
+    batch = np.arange(x.shape[0]).reshape((-1,) + (1,) * (grid.ndim - 2))
+    if mode == "nearest":
+        taps = [
+            np.rint(_pad_coordinate(c, s, padding, align)).astype(np.int64)
+            for c, s in zip(coords, sizes, strict=True)
+        ]
+        out = _sample(x, batch, taps)
+    elif mode == "linear":
+        coords = [_pad_coordinate(c, s, padding, align) for c, s in zip(coords, sizes, strict=True)]
+        out = 0.0
+        for corner in np.ndindex(*(2,) * nsp):
+            weight, taps = 1.0, []
+            for d, bit in enumerate(corner):
+                low = np.floor(coords[d])
+                frac = coords[d] - low
+                weight = weight * (frac if bit else 1 - frac)
+                taps.append((low + bit).astype(np.int64))
+            out = out + _sample(x, batch, taps) * weight[:, None]
+    else:
+        a = -0.75
+        out = 0.0
+        for corner in np.ndindex(*(4,) * nsp):
+            weight, taps = 1.0, []
+            for d, k in enumerate(corner):
+                low = np.floor(coords[d])
+                t = coords[d] - low
+                distance = np.abs(t - (k - 1))
+                weight = weight * np.where(
+                    distance <= 1,
+                    ((a + 2) * distance - (a + 3)) * distance * distance + 1,
+                    ((a * distance - 5 * a) * distance + 8 * a) * distance - 4 * a,
+                )
+                tap = _pad_coordinate(low + k - 1, sizes[d], padding, align)
+                taps.append(
+                    np.rint(tap).astype(np.int64)
+                    if padding != "zeros"
+                    else (low + k - 1).astype(np.int64)
+                )
+            out = out + _sample(x, batch, taps) * weight[:, None]
+    return [np.asarray(out).astype(inputs[0].dtype)]
+
+
+def _grid_sample_rule(node, types):
+    x, grid = types[0], types[1]
+    return [TensorType((x.shape[0], x.shape[1], *grid.shape[1:-1]), x.dtype)]
+
+
+OPS["GridSample"] = opdef("GridSample", OpKind.INJECTIVE, _grid_sample_rule, _grid_sample)
