@@ -1,7 +1,126 @@
-"""quantize operators (filled in by the conformance work)."""
+"""Quantization operators (uint8/int8/uint16/int16/int32; float8 and 4-bit are out of scope)."""
 
 from __future__ import annotations
 
-from compiler_core.graph.ops.base import OpDef
+import numpy as np
 
-OPS: dict[str, OpDef] = {}
+from compiler_core.graph.ir import OpKind, TensorType
+from compiler_core.graph.ops.base import OpDef, evaluated, normalize_axis, opdef
+from compiler_core.graph.ops.nn import _conv
+
+
+def expand_scale(node, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Per-tensor, per-axis or blocked scale (or zero point) broadcast to x's shape."""
+    if scale.ndim == 0 or scale.size == 1 and x.ndim <= 1:
+        return scale.reshape(())
+    axis = normalize_axis(node.attr("axis", 1), x.ndim, node)
+    block = node.attr("block_size", 0)
+    if block:
+        expanded = np.repeat(scale, block, axis=axis)
+        return np.take(expanded, np.arange(x.shape[axis]), axis=axis)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return scale.reshape(shape)
+
+
+def _saturate(values: np.ndarray, dtype: str) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return np.clip(values, info.min, info.max).astype(dtype)
+
+
+def _quantize(node, inputs):
+    x, scale = inputs[0], inputs[1]
+    zero = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
+    dtype = node.attr("output_dtype")
+    s = expand_scale(node, scale, x).astype(np.float64)
+    z = 0 if zero is None else expand_scale(node, zero, x).astype(np.float64)
+    return [_saturate(np.rint(x.astype(np.float64) / s) + z, dtype)]
+
+
+def _dequantize(node, inputs):
+    x, scale = inputs[0], inputs[1]
+    zero = inputs[2] if len(inputs) > 2 and inputs[2] is not None else None
+    s = expand_scale(node, scale, x).astype(np.float64)
+    z = 0 if zero is None else expand_scale(node, zero, x).astype(np.float64)
+    dtype = node.attr("output_dtype", scale.dtype.name)
+    return [((x.astype(np.float64) - z) * s).astype(dtype)]
+
+
+def _quantize_rule(node, types):
+    return [TensorType(types[0].shape, node.attr("output_dtype"))]
+
+
+def _dequantize_rule(node, types):
+    return [TensorType(types[0].shape, node.attr("output_dtype", types[1].dtype))]
+
+
+def _dynamic_quantize(node, inputs):
+    # Computed in float32, as the operator's definition (and every runtime) does.
+    x = inputs[0].astype(np.float32)
+    low, high = min(0.0, x.min(initial=0.0)), max(0.0, x.max(initial=0.0))
+    scale = np.float32((high - low) / np.float32(255)) if high > low else np.float32(1.0)
+    zero = np.clip(np.rint(-low / scale), 0, 255)
+    y = _saturate(np.rint(x / scale) + zero, "uint8")
+    return [y, np.asarray(scale, np.float32), np.asarray(zero, np.uint8)]
+
+
+def _matmul_integer(node, inputs):
+    a, b = inputs[0].astype(np.int64), inputs[1].astype(np.int64)
+    a_zero = inputs[2] if len(inputs) > 2 else None
+    b_zero = inputs[3] if len(inputs) > 3 else None
+    if a_zero is not None:
+        a = a - (
+            a_zero.astype(np.int64).reshape(-1, 1)
+            if a_zero.ndim == 1 and a_zero.size > 1
+            else a_zero.astype(np.int64)
+        )
+    if b_zero is not None:
+        b = b - b_zero.astype(np.int64)
+    return [np.matmul(a, b).astype(np.int32)]
+
+
+def _conv_integer(node, inputs):
+    x, w = inputs[0].astype(np.int64), inputs[1].astype(np.int64)
+    x_zero = inputs[2] if len(inputs) > 2 else None
+    w_zero = inputs[3] if len(inputs) > 3 else None
+    if x_zero is not None:
+        x = x - x_zero.astype(np.int64)
+    if w_zero is not None:
+        w = (
+            w - w_zero.astype(np.int64).reshape((-1,) + (1,) * (w.ndim - 1))
+            if w_zero.size > 1
+            else w - w_zero.astype(np.int64)
+        )
+    (out,) = _conv(node, [x.astype(np.float64), w.astype(np.float64)])
+    return [np.rint(out).astype(np.int32)]
+
+
+def _qlinear_matmul(node, inputs):
+    a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero = inputs
+    real_a = (a.astype(np.float64) - a_zero.astype(np.float64)) * a_scale.astype(np.float64)
+    b_z = b_zero.astype(np.float64)
+    b_s = b_scale.astype(np.float64)
+    if b_z.ndim == 1 and b_z.size > 1:  # per-column
+        b_z, b_s = b_z.reshape(1, -1), b_s.reshape(1, -1)
+    real_b = (b.astype(np.float64) - b_z) * b_s
+    product = np.matmul(real_a, real_b)
+    y = np.rint(product / y_scale.astype(np.float64)) + y_zero.astype(np.float64)
+    return [_saturate(y, y_zero.dtype.name)]
+
+
+OPS: dict[str, OpDef] = {
+    "QuantizeLinear": opdef("QuantizeLinear", OpKind.BROADCAST, _quantize_rule, _quantize),
+    "DequantizeLinear": opdef("DequantizeLinear", OpKind.BROADCAST, _dequantize_rule, _dequantize),
+    "DynamicQuantizeLinear": opdef(
+        "DynamicQuantizeLinear", OpKind.OPAQUE, evaluated(_dynamic_quantize), _dynamic_quantize
+    ),
+    "MatMulInteger": opdef(
+        "MatMulInteger", OpKind.OUT_ELEMWISE_FUSABLE, evaluated(_matmul_integer), _matmul_integer
+    ),
+    "ConvInteger": opdef(
+        "ConvInteger", OpKind.OUT_ELEMWISE_FUSABLE, evaluated(_conv_integer), _conv_integer
+    ),
+    "QLinearMatMul": opdef(
+        "QLinearMatMul", OpKind.OUT_ELEMWISE_FUSABLE, evaluated(_qlinear_matmul), _qlinear_matmul
+    ),
+}
