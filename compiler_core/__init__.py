@@ -1,0 +1,8 @@
+"""Kiln's compiler: `compile(model, target, shapes)` -> module archive; run it with
+`compiler_core.runtime.load(archive).run(inputs)`."""
+
+
+def compile(model, target="llvm", shapes=None):  # noqa: A001 - the documented entry point
+    from compiler_core.compile import compile as _compile
+
+    return _compile(model, target=target, shapes=shapes)

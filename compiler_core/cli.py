@@ -5,6 +5,10 @@ kiln inspect model.onnx [--shape x=1,784] [--after PASS] [--constants]
 kiln verify model.onnx [--shape x=1,784] [--seed N]
     the optimized graph against the imported one (numpy reference executor) and against
     ONNX Runtime where it is installed, on random inputs
+kiln compile model.onnx [--target llvm] [--shape x=1,784] -o model.kiln
+    native code for the whole model, in one module archive
+kiln run model.kiln [--input name=file.npy ...] [--repeat N]
+    load the archive and run it (random inputs where none are given): outputs and latency
 """
 
 from __future__ import annotations
@@ -124,6 +128,70 @@ def cmd_verify(args) -> int:
     return 0 if all_ok else 1
 
 
+def cmd_compile(args) -> int:
+    from compiler_core.compile import compile as compile_model
+
+    started = time.perf_counter()
+    archive = compile_model(args.model, target=args.target, shapes=parse_shapes(args.shape))
+    path = archive.save(args.output)
+    manifest = archive.manifest
+    memory, check = manifest["memory"], manifest["verification"]
+    print(
+        f"compiled {args.model} for {manifest['target']} in "
+        f"{time.perf_counter() - started:.1f}s -> {path}"
+    )
+    print(
+        f"  kernels: {len(manifest['kernels'])}; workspace {memory['workspace_bytes']} bytes "
+        f"(without reuse {memory['naive_bytes']})"
+    )
+    print(
+        f"  verification vs {check['oracle']}: max abs error {check['max_abs_error']:.3g} "
+        f"-> {'ok' if check['passed'] else 'MISMATCH'}"
+    )
+    return 0 if check["passed"] else 1
+
+
+def _load_inputs(module, items: Sequence[str] | None, seed: int) -> dict[str, np.ndarray]:
+    given = {}
+    for item in items or ():
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise UsageError(f"--input {item!r}: expected NAME=FILE.npy")
+        try:
+            given[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise UsageError(f"--input {item!r}: cannot read {path!r}: {err}") from None
+    rng = np.random.default_rng(seed)
+    for name, shape, dtype in module.inputs:
+        if name not in given:
+            values = rng.standard_normal(shape) if dtype.kind == "f" else rng.integers(0, 4, shape)
+            given[name] = values.astype(dtype)
+    return given
+
+
+def cmd_run(args) -> int:
+    from compiler_core.runtime import load
+
+    module = load(args.module, num_threads=args.threads)
+    inputs = _load_inputs(module, args.input, args.seed)
+    outputs = module.run(inputs)
+    timings = []
+    for _ in range(args.repeat):
+        started = time.perf_counter()
+        module.run(inputs)
+        timings.append(time.perf_counter() - started)
+    for name, value in outputs.items():
+        preview = np.array2string(value.reshape(-1)[:8], precision=5, separator=", ")
+        print(f"{name}: {value.dtype}{list(value.shape)} {preview}")
+    if timings:
+        ms = np.array(timings) * 1000
+        print(
+            f"latency over {len(ms)} runs: median {np.median(ms):.3f} ms, "
+            f"p90 {np.percentile(ms, 90):.3f} ms"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln inference compiler")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--shape", action="append", help="bind an input shape: NAME=D0,D1,...")
     verify.add_argument("--seed", type=int, default=0)
     verify.set_defaults(run=cmd_verify)
+
+    compile_ = sub.add_parser("compile", help="compile a model to a native module archive")
+    compile_.add_argument("model")
+    compile_.add_argument("--target", default="llvm", help="e.g. 'llvm' or 'llvm -mcpu=znver4'")
+    compile_.add_argument("--shape", action="append", help="bind an input shape: NAME=D0,D1,...")
+    compile_.add_argument("-o", "--output", required=True, help="archive path (.kiln)")
+    compile_.set_defaults(run=cmd_compile)
+
+    run = sub.add_parser("run", help="run a compiled module archive")
+    run.add_argument("module")
+    run.add_argument("--input", action="append", help="NAME=FILE.npy (random if omitted)")
+    run.add_argument("--repeat", type=int, default=20, help="timed runs after the first")
+    run.add_argument("--threads", type=int, default=None)
+    run.add_argument("--seed", type=int, default=0)
+    run.set_defaults(run=cmd_run)
     return parser
 
 
@@ -147,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (KilnImportError, ShapeError, UsageError, FileNotFoundError) as err:
+    except (KilnImportError, ShapeError, UsageError, FileNotFoundError, ValueError) as err:
         print(f"kiln {args.command}: error: {err}", file=sys.stderr)
         return 2
 

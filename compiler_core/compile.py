@@ -1,0 +1,157 @@
+"""The one entry point: `compile(model, target, shapes) -> ModuleArchive`."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import time
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from compiler_core.build import CompiledModel, build_graph, describe_types
+from compiler_core.codegen.native import link_shared
+from compiler_core.frontend.onnx import import_model
+from compiler_core.graph.ir import Graph
+from compiler_core.passes.pipeline import optimize
+from compiler_core.reference import run_graph
+from compiler_core.runtime.module import MEMBERS, load, sha256
+from compiler_core.target import Target, parse_target
+
+COMPILER_VERSION = "0.1.0"
+VERIFY_RTOL, VERIFY_ATOL = 1e-4, 1e-5
+
+
+class ModuleArchive:
+    """A compiled model: its archive members, in memory."""
+
+    def __init__(self, members: dict[str, bytes]):
+        self.members = members
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads(self.members["manifest.json"])
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+            for name in ("manifest.json", *MEMBERS):
+                archive.writestr(name, self.members[name])
+        return buffer.getvalue()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically: the archive appears whole or not at all."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(prefix=".kiln-", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.to_bytes())
+        os.replace(staging, path)
+        return path
+
+
+def _random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name in graph.inputs:
+        t = graph.types[name]
+        if np.dtype(t.dtype).kind == "f":
+            feeds[name] = rng.standard_normal(t.shape).astype(t.dtype)
+        elif t.dtype == "bool":
+            feeds[name] = rng.integers(0, 2, t.shape).astype(bool)
+        else:
+            feeds[name] = rng.integers(0, 4, t.shape).astype(t.dtype)
+    return feeds
+
+
+def _verification(archive: ModuleArchive, graph: Graph) -> dict:
+    """Run the compiled module and the reference executor on the same random inputs."""
+    feeds = _random_inputs(graph)
+    actual = load(archive).run(feeds)
+    expected = run_graph(graph, feeds)
+    worst, ok = 0.0, True
+    for name in graph.outputs:
+        a, e = actual[name].astype(np.float64), expected[name].astype(np.float64)
+        worst = max(worst, float(np.max(np.abs(a - e), initial=0.0)))
+        ok &= bool(np.allclose(a, e, rtol=VERIFY_RTOL, atol=VERIFY_ATOL, equal_nan=True))
+    return {
+        "oracle": "reference executor",
+        "max_abs_error": worst,
+        "rtol": VERIFY_RTOL,
+        "atol": VERIFY_ATOL,
+        "passed": ok,
+    }
+
+
+def _members(compiled: CompiledModel, library: bytes, model_sha: str) -> dict[str, bytes]:
+    graph = compiled.graph
+    plan = {
+        "inputs": describe_types(graph, graph.inputs),
+        "outputs": describe_types(graph, graph.outputs),
+        "workspace_bytes": compiled.memory.workspace_bytes,
+        "kernels": [
+            {"name": k.name, "inputs": k.inputs, "outputs": k.outputs} for k in compiled.kernels
+        ],
+        "workspace_offsets": compiled.memory.offsets,
+        "weight_offsets": compiled.weights.offsets,
+    }
+    members = {
+        "model.so": library,
+        "weights.bin": compiled.weights.blob,
+        "plan.json": json.dumps(plan, indent=1).encode(),
+    }
+    manifest = {
+        "format": "kiln-module/1",
+        "model_sha256": model_sha,
+        "graph_key": graph.key,
+        "inputs": plan["inputs"],
+        "outputs": plan["outputs"],
+        "target": str(compiled.target),
+        "target_fingerprint": compiled.target.fingerprint,
+        "compiler_version": COMPILER_VERSION,
+        "kernels": {k.name: "default schedule" for k in compiled.kernels},
+        "memory": {
+            "workspace_bytes": compiled.memory.workspace_bytes,
+            "naive_bytes": compiled.memory.naive_bytes,
+        },
+        "compile_seconds": round(compiled.compile_seconds, 3),
+        "members": {name: sha256(data) for name, data in members.items()},
+    }
+    members["manifest.json"] = json.dumps(manifest, indent=1).encode()
+    return members
+
+
+def _model_bytes(model) -> bytes:
+    if isinstance(model, (bytes, bytearray)):
+        return bytes(model)
+    if hasattr(model, "SerializeToString"):
+        return model.SerializeToString()
+    return Path(model).read_bytes()
+
+
+def compile_graph(graph: Graph, target: Target, model_sha: str = "") -> ModuleArchive:
+    started = time.perf_counter()
+    compiled = build_graph(graph, target)
+    with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
+        library = link_shared([compiled.object_code], Path(tmp) / "model.so").read_bytes()
+    compiled.compile_seconds = time.perf_counter() - started
+    archive = ModuleArchive(_members(compiled, library, model_sha))
+    manifest = archive.manifest
+    manifest["verification"] = _verification(archive, graph)
+    archive.members["manifest.json"] = json.dumps(manifest, indent=1).encode()
+    return archive
+
+
+def compile(  # noqa: A001 - the documented entry point's name
+    model,
+    target: str | Target = "llvm",
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> ModuleArchive:
+    """Compile an ONNX model (path, bytes or ModelProto) to a native module archive."""
+    target = parse_target(target) if isinstance(target, str) else target
+    graph = optimize(import_model(model, shapes=shapes))
+    return compile_graph(graph, target, sha256(_model_bytes(model)))

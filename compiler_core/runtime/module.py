@@ -1,0 +1,127 @@
+"""Load a module archive and run it: the whole model is one native call.
+
+Imports nothing else from the compiler: a serving process needs neither llvmlite nor lightgbm.
+
+Archive (zip) members: `model.so` (kernels + the `kiln_main` entry), `weights.bin` (constants
+in their final, packed layouts), `plan.json` (input/output signatures, workspace size) and
+`manifest.json` (sha256 of every other member, target, compiler version, verification).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import io
+import json
+import os
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from compiler_core.runtime.library import KernelLibrary, set_num_threads
+
+MEMBERS = ("model.so", "weights.bin", "plan.json")
+ENTRY = "kiln_main"
+ALIGNMENT = 64
+
+
+class ArchiveError(ValueError):
+    """A module archive that is truncated, tampered with or not an archive at all."""
+
+
+class InputError(ValueError):
+    """Inference inputs that do not match the module's signature."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_members(source: str | os.PathLike | bytes) -> dict[str, bytes]:
+    data = bytes(source) if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes()
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = set(archive.namelist())
+            missing = {"manifest.json", *MEMBERS} - names
+            if missing:
+                raise ArchiveError(f"module archive lacks {', '.join(sorted(missing))}")
+            members = {name: archive.read(name) for name in ("manifest.json", *MEMBERS)}
+    except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile) as err:
+        raise ArchiveError(f"not a readable module archive (truncated or corrupt): {err}") from None
+    manifest = json.loads(members["manifest.json"])
+    for name in MEMBERS:
+        expected = manifest.get("members", {}).get(name)
+        if expected != sha256(members[name]):
+            raise ArchiveError(f"module archive member {name!r} fails its sha256 check")
+    return members
+
+
+def _aligned_buffer(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, view): a zeroed byte buffer whose view starts on a 64-byte boundary."""
+    owner = np.zeros(nbytes + ALIGNMENT, np.uint8)
+    start = (-owner.ctypes.data) % ALIGNMENT
+    return owner, owner[start : start + nbytes]
+
+
+class Module:
+    def __init__(self, members: dict[str, bytes], num_threads: int | None = None):
+        self.manifest = json.loads(members["manifest.json"])
+        plan = json.loads(members["plan.json"])
+        self.inputs = [(v["name"], tuple(v["shape"]), np.dtype(v["dtype"])) for v in plan["inputs"]]
+        self.outputs = [
+            (v["name"], tuple(v["shape"]), np.dtype(v["dtype"])) for v in plan["outputs"]
+        ]
+        self._dir = tempfile.TemporaryDirectory(prefix="kiln-module-")
+        library = Path(self._dir.name) / "model.so"
+        library.write_bytes(members["model.so"])
+        self._library = KernelLibrary(library)
+        self._entry = self._library.function(ENTRY)
+        self._weights_owner, self._weights = _aligned_buffer(len(members["weights.bin"]))
+        self._weights[:] = np.frombuffer(members["weights.bin"], np.uint8)
+        self._workspace_owner, self._workspace = _aligned_buffer(plan["workspace_bytes"])
+        set_num_threads(num_threads or int(os.environ.get("KILN_NUM_THREADS", os.cpu_count())))
+
+    def _checked(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        expected = [name for name, _, _ in self.inputs]
+        unknown = sorted(set(inputs) - set(expected))
+        missing = [name for name in expected if name not in inputs]
+        if unknown or missing:
+            raise InputError(
+                f"inputs do not match the module: missing {missing}, unknown {unknown}; "
+                f"expected {expected}"
+            )
+        arrays = []
+        for name, shape, dtype in self.inputs:
+            array = np.asarray(inputs[name])
+            if array.shape != shape or array.dtype != dtype:
+                raise InputError(
+                    f"input {name!r} is {array.dtype}{list(array.shape)}, "
+                    f"the module expects {dtype}{list(shape)}"
+                )
+            arrays.append(np.ascontiguousarray(array))
+        return arrays
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = self._checked(inputs)
+        outputs = {name: np.empty(shape, dtype) for name, shape, dtype in self.outputs}
+        input_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
+        output_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(
+            *[a.ctypes.data for a in outputs.values()]
+        )
+        self._entry(
+            input_ptrs,
+            output_ptrs,
+            ctypes.c_void_p(self._workspace.ctypes.data),
+            ctypes.c_void_p(self._weights.ctypes.data),
+        )
+        return outputs
+
+
+def load(source, num_threads: int | None = None) -> Module:
+    """Load an archive given as a path, bytes, or an object with `to_bytes()`."""
+    if hasattr(source, "to_bytes"):
+        source = source.to_bytes()
+    return Module(read_members(source), num_threads)
