@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kiln inspect $(MODELS)/resnet18.onnx
 	$(BIN)/kiln verify $(MODELS)/encoder4.onnx
-	$(BIN)/kiln verify $(MODELS)/mlp.onnx --shape x=4,784
+	$(BIN)/kiln compile $(MODELS)/resnet18.onnx -o build/resnet18.kiln
+	$(BIN)/kiln run build/resnet18.kiln
+	$(BIN)/kiln compile $(MODELS)/mlp.onnx --shape x=1,784 -o build/mlp.kiln
+	$(BIN)/kiln run build/mlp.kiln
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

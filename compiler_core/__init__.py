@@ -3,6 +3,6 @@
 
 
 def compile(model, target="llvm", shapes=None):  # noqa: A001 - the documented entry point
-    from compiler_core.compile import compile as _compile
+    from compiler_core.compiler import compile as _compile
 
     return _compile(model, target=target, shapes=shapes)

@@ -129,7 +129,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from compiler_core.compile import compile as compile_model
+    from compiler_core.compiler import compile as compile_model
 
     started = time.perf_counter()
     archive = compile_model(args.model, target=args.target, shapes=parse_shapes(args.shape))

@@ -57,3 +57,35 @@ def test_garbage_file_is_a_clear_error(tmp_path):
     result = kiln("inspect", str(path))
     assert result.returncode == 2
     assert "error" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_compile_then_run(tmp_path):
+    archive = tmp_path / "mlp.kiln"
+    result = kiln("compile", str(shared_model("mlp")), "--shape", "x=1,784", "-o", str(archive))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verification vs reference executor" in result.stdout and "-> ok" in result.stdout
+    import numpy as np
+
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((1, 784), np.float32))
+    result = kiln("run", str(archive), "--input", f"x={x}", "--repeat", "3")
+    assert result.returncode == 0, result.stderr
+    assert "probs: float32[1, 10]" in result.stdout
+    assert "latency over 3 runs" in result.stdout
+
+
+def test_run_refuses_a_wrong_input_shape(tmp_path):
+    archive = tmp_path / "mlp.kiln"
+    assert (
+        kiln(
+            "compile", str(shared_model("mlp")), "--shape", "x=1,784", "-o", str(archive)
+        ).returncode
+        == 0
+    )
+    import numpy as np
+
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((2, 784), np.float32))
+    result = kiln("run", str(archive), "--input", f"x={x}")
+    assert result.returncode == 2
+    assert "expects float32[1, 784]" in result.stderr

@@ -1,0 +1,129 @@
+"""Compiled modules end to end: native output against ONNX Runtime and the reference executor;
+archives that are tampered with or truncated are refused; bad inputs get clear errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import compiler_core
+from compiler_core.runtime import ArchiveError, InputError, load
+from tests.conftest import shared_model
+
+
+@pytest.fixture(scope="module")
+def mlp_archive():
+    return compiler_core.compile(str(shared_model("mlp")), shapes={"x": [4, 784]})
+
+
+def ort_run(path, feeds):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize("name", ["mlp", "encoder4", "resnet18", "mobilenet_v2"])
+def test_native_module_matches_onnxruntime(name, tmp_path):
+    shapes = {"x": [2, 784]} if name == "mlp" else None
+    archive = compiler_core.compile(str(shared_model(name)), shapes=shapes)
+    assert archive.manifest["verification"]["passed"]
+    module = load(archive.save(tmp_path / f"{name}.kiln"))
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
+    outputs = module.run(feeds)
+    for (out_name, _, _), expected in zip(
+        module.outputs, ort_run(shared_model(name), feeds), strict=True
+    ):
+        np.testing.assert_allclose(outputs[out_name], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_manifest_records_members_plan_and_verification(mlp_archive):
+    manifest = mlp_archive.manifest
+    assert set(manifest["members"]) == {"model.so", "weights.bin", "plan.json"}
+    assert manifest["inputs"] == [{"name": "x", "shape": [4, 784], "dtype": "float32"}]
+    assert manifest["memory"]["workspace_bytes"] <= manifest["memory"]["naive_bytes"]
+    assert manifest["verification"]["max_abs_error"] < 1e-5
+
+
+def test_archive_round_trips_through_bytes(mlp_archive):
+    x = np.random.default_rng(0).standard_normal((4, 784)).astype(np.float32)
+    a = load(mlp_archive).run({"x": x})["probs"]
+    b = load(mlp_archive.to_bytes()).run({"x": x})["probs"]
+    np.testing.assert_array_equal(a, b)
+
+
+def _rewrite_member(data: bytes, name: str, content: bytes) -> bytes:
+    source = zipfile.ZipFile(io.BytesIO(data))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as target:
+        for item in source.namelist():
+            target.writestr(item, content if item == name else source.read(item))
+    return buffer.getvalue()
+
+
+def test_tampered_archive_is_refused(mlp_archive):
+    data = mlp_archive.to_bytes()
+    weights = zipfile.ZipFile(io.BytesIO(data)).read("weights.bin")
+    tampered = _rewrite_member(data, "weights.bin", b"\x01" + weights[1:])
+    with pytest.raises(ArchiveError, match="weights.bin.*sha256"):
+        load(tampered)
+
+
+def test_truncated_archive_is_refused(mlp_archive):
+    data = mlp_archive.to_bytes()
+    with pytest.raises(ArchiveError, match="truncated or corrupt|lacks"):
+        load(data[: len(data) // 2])
+
+
+def test_archive_missing_a_member_is_refused(mlp_archive):
+    source = zipfile.ZipFile(io.BytesIO(mlp_archive.to_bytes()))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as target:
+        for item in source.namelist():
+            if item != "plan.json":
+                target.writestr(item, source.read(item))
+    with pytest.raises(ArchiveError, match="plan.json"):
+        load(buffer.getvalue())
+
+
+def test_manifest_edit_is_caught_by_member_hashes(mlp_archive):
+    data = mlp_archive.to_bytes()
+    manifest = json.loads(zipfile.ZipFile(io.BytesIO(data)).read("manifest.json"))
+    manifest["members"]["model.so"] = "0" * 64
+    with pytest.raises(ArchiveError, match="model.so"):
+        load(_rewrite_member(data, "manifest.json", json.dumps(manifest).encode()))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"y": np.zeros((4, 784), np.float32)}, "missing \\['x'\\], unknown \\['y'\\]"),
+        ({"x": np.zeros((3, 784), np.float32)}, "float32\\[3, 784\\].*float32\\[4, 784\\]"),
+        ({"x": np.zeros((4, 784), np.float64)}, "float64"),
+    ],
+)
+def test_bad_inputs_are_refused(mlp_archive, inputs, message):
+    module = load(mlp_archive)
+    with pytest.raises(InputError, match=message):
+        module.run(inputs)
+
+
+def test_runtime_imports_nothing_else_from_the_compiler():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, compiler_core.runtime;"
+        "bad=[m for m in sys.modules if m.startswith('compiler_core.') and "
+        "not m.startswith('compiler_core.runtime')] + "
+        "[m for m in ('llvmlite', 'lightgbm', 'onnx') if m in sys.modules];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
