@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODELS ?= ../shared/models
 
-.PHONY: demo test lint conformance clean venv
+.PHONY: demo test lint conformance bench clean venv
 
 venv: $(STAMP)
 
@@ -30,6 +30,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
 
 conformance: $(STAMP)
 	$(BIN)/python -m tests.conformance.run_suite

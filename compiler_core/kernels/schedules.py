@@ -125,7 +125,7 @@ def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> li
     batch_loops = [mm.loop(k) for k in range(rank - 2)]
     i_loop, j_loop = mm.loop(rank - 2), mm.loop(rank - 1)
     ((k_loop, _),) = mm.reduce_axes
-    mr = _largest_divisor(rows, (6, 4, 3, 2))
+    mr = _largest_divisor(rows, (12, 8, 6, 4, 3, 2))
     nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
     records: list[Record] = [Split(i_loop, mr), Split(j_loop, nr)]
     inner_j = [f"{j_loop}_i"]

@@ -1,0 +1,258 @@
+"""Side-by-side benchmarks: Kiln's compiled modules against ONNX Runtime and numpy, measured in
+the same run on the same machine, with the machine's FMA peak as the yardstick.
+
+    .venv/bin/python -m bench.run [--models resnet18 mlp] [--threads 2] [--json bench/results.json]
+
+Latency is measured in alternating blocks (ten runs of one engine, then ten of the other, the
+first run of each block dropped): ORT's worker threads keep spinning after a call and would
+slow whatever runs right after them. Medians and p90 over all kept runs; ratios are ours/ORT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import platform
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import llvmlite.ir as ir
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+import compiler_core
+from compiler_core.codegen.native import emit_object, link_shared
+from compiler_core.runtime import load
+from compiler_core.target import host_target
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "shared" / "models"
+MODEL_CASES = {
+    "resnet18": None,
+    "mobilenet_v2": None,
+    "encoder4": None,
+    "mlp_b1": {"x": [1, 784]},
+    "mlp_b64": {"x": [64, 784]},
+}
+GEMM_CASES = [(n, n, n) for n in (256, 512, 1024, 2048)] + [(1, 784, 1024), (64, 784, 1024)]
+BLOCK, BLOCKS = 10, 8
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# --- FMA peak ----------------------------------------------------------------------------------
+
+
+def _peak_library(lanes: int, chains: int) -> ctypes.CDLL:
+    """void fma_peak(i64 n, float* out): `chains` independent vector FMA chains, n steps."""
+    target = host_target()
+    module = ir.Module(name="peak")
+    module.triple = target.triple
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    vec = ir.VectorType(f32, lanes)
+    fma = ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]), name=f"llvm.fma.v{lanes}f32")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i64, ir.PointerType()]), "fma_peak")
+    n, out = fn.args
+    entry, loop, done = (fn.append_basic_block(x) for x in ("entry", "loop", "done"))
+    b = ir.IRBuilder(entry)
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(i64)
+    i.add_incoming(i64(0), entry)
+    accs = [b.phi(vec) for _ in range(chains)]
+    scale = ir.Constant(vec, [0.999999] * lanes)
+    shift = ir.Constant(vec, [1e-7] * lanes)
+    for k, acc in enumerate(accs):
+        acc.add_incoming(ir.Constant(vec, [float(k)] * lanes), entry)
+    nexts = [b.call(fma, [acc, scale, shift]) for acc in accs]
+    step = b.add(i, i64(1))
+    for acc, value in zip(accs, nexts, strict=True):
+        acc.add_incoming(value, loop)
+    i.add_incoming(step, loop)
+    b.cbranch(b.icmp_signed("<", step, n), loop, done)
+    b.position_at_end(done)
+    total = nexts[0]
+    for value in nexts[1:]:
+        total = b.fadd(total, value)
+    b.store(b.extract_element(total, ir.IntType(32)(0)), out)
+    b.ret_void()
+    path = Path(tempfile.mkdtemp(prefix="kiln-peak-")) / "peak.so"
+    link_shared([emit_object(module, target)], path)
+    return ctypes.CDLL(str(path))
+
+
+def fma_peak_gflops(threads: int) -> float:
+    lanes = 16 if host_target().vector_bits == 512 else 8
+    lib = _peak_library(lanes, chains=16)
+    steps = 20_000_000
+    sink = [np.zeros(1, np.float32) for _ in range(threads)]
+
+    def work(k):
+        lib.fma_peak(ctypes.c_int64(steps), ctypes.c_void_p(sink[k].ctypes.data))
+
+    work(0)  # warm up
+    best = 0.0
+    for _ in range(3):
+        pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        started = time.perf_counter()
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        seconds = time.perf_counter() - started
+        best = max(best, threads * steps * 16 * lanes * 2 / seconds / 1e9)
+    return best
+
+
+# --- latency -----------------------------------------------------------------------------------
+
+
+def interleaved(ours, theirs, blocks=BLOCKS, block=BLOCK):
+    """Times (seconds) of each engine, measured in alternating blocks."""
+    samples = {"ours": [], "theirs": []}
+    for _ in range(blocks):
+        for name, fn in (("ours", ours), ("theirs", theirs)):
+            for k in range(block):
+                started = time.perf_counter()
+                fn()
+                if k:  # the first run of a block pays for the switch
+                    samples[name].append(time.perf_counter() - started)
+    return {k: np.array(v) for k, v in samples.items()}
+
+
+def stats(seconds: np.ndarray) -> dict:
+    return {
+        "median_ms": float(np.median(seconds) * 1e3),
+        "p90_ms": float(np.percentile(seconds, 90) * 1e3),
+    }
+
+
+def ort_session(model, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def bench_model(name: str, shapes, threads: int) -> dict:
+    path = MODELS_DIR / f"{name.split('_b')[0] if name.startswith('mlp') else name}.onnx"
+    started = time.perf_counter()
+    archive = compiler_core.compile(str(path), shapes=shapes)
+    compile_seconds = time.perf_counter() - started
+    module = load(archive, num_threads=threads)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
+    if shapes:
+        model = onnx.load(str(path))
+        for value in model.graph.input:
+            if value.name in shapes:
+                for dim, size in zip(
+                    value.type.tensor_type.shape.dim, shapes[value.name], strict=True
+                ):
+                    dim.Clear()
+                    dim.dim_value = size
+        session = ort_session(model.SerializeToString(), threads)
+    else:
+        session = ort_session(str(path), threads)
+    times = interleaved(lambda: module.run(feeds), lambda: session.run(None, feeds))
+    ours, theirs = stats(times["ours"]), stats(times["theirs"])
+    return {
+        "model": name,
+        "compile_seconds": round(compile_seconds, 2),
+        "kiln": ours,
+        "onnxruntime": theirs,
+        "ratio_median": ours["median_ms"] / theirs["median_ms"],
+    }
+
+
+def gemm_model(m: int, k: int, n: int) -> bytes:
+    weights = np.random.default_rng(1).standard_normal((k, n)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["c"])],
+        "gemm",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [m, n])],
+        [numpy_helper.from_array(weights, "b")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def bench_gemm(m: int, k: int, n: int, threads: int) -> dict:
+    data = gemm_model(m, k, n)
+    module = load(compiler_core.compile(data), num_threads=threads)
+    weights = numpy_helper.to_array(onnx.load_from_string(data).graph.initializer[0])
+    a = np.random.default_rng(2).standard_normal((m, k)).astype(np.float32)
+    times = interleaved(lambda: module.run({"a": a}), lambda: a @ weights)
+    flops = 2 * m * n * k
+    ours = flops / np.median(times["ours"]) / 1e9
+    numpy_rate = flops / np.median(times["theirs"]) / 1e9
+    return {
+        "shape": [m, k, n],
+        "kiln_gflops": ours,
+        "numpy_gflops": numpy_rate,
+        "ratio": ours / numpy_rate,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODEL_CASES))
+    parser.add_argument("--gemm", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("bench/results.json"))
+    args = parser.parse_args()
+
+    peak = fma_peak_gflops(args.threads)
+    print(f"CPU: {cpu_name()}; {args.threads} threads; FMA peak {peak:.0f} GFLOP/s (measured)")
+    results = {
+        "cpu": cpu_name(),
+        "threads": args.threads,
+        "fma_peak_gflops": peak,
+        "models": [],
+        "gemm": [],
+    }
+    print(
+        f"{'model':14s} {'compile s':>9s} {'kiln ms (p90)':>16s} {'ORT ms (p90)':>16s} "
+        f"{'kiln/ORT':>8s}"
+    )
+    for name in args.models:
+        r = bench_model(name, MODEL_CASES[name], args.threads)
+        results["models"].append(r)
+        print(
+            f"{name:14s} {r['compile_seconds']:9.1f} "
+            f"{r['kiln']['median_ms']:8.3f} ({r['kiln']['p90_ms']:6.3f}) "
+            f"{r['onnxruntime']['median_ms']:8.3f} ({r['onnxruntime']['p90_ms']:6.3f}) "
+            f"{r['ratio_median']:8.2f}"
+        )
+    if args.gemm:
+        print(
+            f"{'GEMM m,k,n':18s} {'kiln GFLOP/s':>12s} {'numpy':>8s} {'kiln/numpy':>10s} "
+            f"{'% peak':>7s}"
+        )
+        for m, k, n in GEMM_CASES:
+            r = bench_gemm(m, k, n, args.threads)
+            results["gemm"].append(r)
+            print(
+                f"{m:5d},{k:5d},{n:5d}  {r['kiln_gflops']:12.1f} {r['numpy_gflops']:8.1f} "
+                f"{r['ratio']:10.2f} {100 * r['kiln_gflops'] / peak:6.1f}%"
+            )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1))
+    print(f"results: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
