@@ -10,6 +10,7 @@ rest. Everything is a list of records: the tuner replaces these defaults with me
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from compiler_core.schedule.primitives import (
     CacheWrite,
@@ -125,9 +126,19 @@ def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> li
     batch_loops = [mm.loop(k) for k in range(rank - 2)]
     i_loop, j_loop = mm.loop(rank - 2), mm.loop(rank - 1)
     ((k_loop, _),) = mm.reduce_axes
+    records: list[Record] = []
+    row_dims = mm.shape[:-1]
+    if batch_loops and panel and sum(d > 1 for d in row_dims) <= 1:
+        # A shared (packed) weight, and the rows spread over one dimension only: every batch
+        # row is just another row of one GEMM (the fused index stays affine).
+        for loop in [*batch_loops[1:], i_loop]:
+            records.append(Fuse(batch_loops[0], loop))
+            batch_loops[0] = f"{batch_loops[0]}_{loop}_f"
+        i_loop, batch_loops = batch_loops[0], []
+        rows = math.prod(mm.shape[:-1])
     mr = _largest_divisor(rows, (12, 8, 6, 4, 3, 2))
     nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
-    records: list[Record] = [Split(i_loop, mr), Split(j_loop, nr)]
+    records += [Split(i_loop, mr), Split(j_loop, nr)]
     inner_j = [f"{j_loop}_i"]
     if nr > VECTOR_LANES and nr % VECTOR_LANES == 0:
         records.append(Split(f"{j_loop}_i", VECTOR_LANES))
@@ -142,7 +153,7 @@ def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> li
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     outer = [*batch_loops, f"{i_loop}_o", f"{j_loop}_o"]
-    extents = [*mm.shape[:-2], rows // mr, -(-cols // nr)]
+    extents = [*mm.shape[: len(batch_loops)], rows // mr, -(-cols // nr)]
     parallel = next((loop for loop, e in zip(outer, extents, strict=True) if e > 1), None)
     if parallel is not None:
         records.append(Parallel(parallel))
