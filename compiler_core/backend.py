@@ -5,8 +5,9 @@ shapes are known. Inputs that decide shapes (a Reshape's shape, Reduce axes, Top
 pads) cannot be seen by a static-shape compiler at `prepare`: they are bound as constants at
 that first run, and the compiled graph is cached by their values.
 
-For now "compiled" means imported and run through the pass pipeline, executed by the numpy
-reference executor; the native-code issue swaps the executor for compiled modules.
+Two engines: "reference" runs the optimized graph with the numpy reference executor (it tests
+import and passes); "native" compiles the graph to a module archive and runs that (it tests the
+whole compiler). An operator without a native kernel is reported as not supported.
 """
 
 from __future__ import annotations
@@ -27,11 +28,18 @@ from compiler_core.reference import run_graph
 SUPPORTED_DEVICES = ("CPU",)
 
 
+ENGINES = ("reference", "native")
+
+
 class KilnRep(BackendRep):
     """A prepared model: compiles per distinct input signature, then runs."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, engine: str = "reference"):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
         self.model = model
+        self.engine = engine
+        self._modules: dict[str, Any] = {}
         initializers = {t.name for t in model.graph.initializer}
         self.input_names = [v.name for v in model.graph.input if v.name not in initializers]
         self.output_names = [v.name for v in model.graph.output]
@@ -41,10 +49,29 @@ class KilnRep(BackendRep):
     def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         feeds = self._feeds(inputs)
         graph = self.compiled_for(feeds)
-        outputs = run_graph(graph, {n: feeds[n] for n in graph.inputs})
+        graph_feeds = {n: feeds[n] for n in graph.inputs}
+        if self.engine == "native":
+            outputs = self._native_module(graph).run(graph_feeds)
+        else:
+            outputs = run_graph(graph, graph_feeds)
         return namedtupledict("Outputs", self.output_names)(
             *[outputs[n] for n in self.output_names]
         )
+
+    def _native_module(self, graph: Graph):
+        from compiler_core.compiler import compile_graph
+        from compiler_core.frontend.onnx import UnsupportedError
+        from compiler_core.kernels import KernelError
+        from compiler_core.runtime import load
+        from compiler_core.target import parse_target
+
+        if graph.key not in self._modules:
+            try:
+                archive = compile_graph(graph, parse_target("llvm"), verify=False)
+            except KernelError as err:
+                raise UnsupportedError(f"no native kernel: {err}") from None
+            self._modules[graph.key] = load(archive)
+        return self._modules[graph.key]
 
     def compiled_for(self, feeds: Mapping[str, np.ndarray]) -> Graph:
         graph = self._cache.get(self._signature(feeds))
@@ -110,10 +137,10 @@ class KilnBackend(Backend):
         return cls.supports_device(device)
 
     @classmethod
-    def prepare(cls, model, device: str = "CPU", **kwargs: Any) -> KilnRep:
+    def prepare(cls, model, device: str = "CPU", engine: str = "reference", **kwargs: Any):
         if not cls.supports_device(device):
             raise ValueError(f"Kiln's ONNX backend runs on {SUPPORTED_DEVICES}, not {device!r}")
-        return KilnRep(load_model(model))
+        return KilnRep(load_model(model), engine)
 
     @classmethod
     def run_model(cls, model, inputs: Any, device: str = "CPU", **kwargs: Any):

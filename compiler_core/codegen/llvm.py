@@ -60,7 +60,11 @@ SCALAR_TYPES = {
     "float64": ir.DoubleType(),
     "int64": I64,
     "int32": I32,
+    "int16": ir.IntType(16),
     "int8": I8,
+    "uint64": I64,
+    "uint32": I32,
+    "uint16": ir.IntType(16),
     "uint8": I8,
     "bool": I8,  # in memory; i1 in registers
 }

@@ -17,8 +17,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", type=Path, default=DEFAULT_REPORT)
     parser.add_argument("--show-failures", action="store_true")
+    parser.add_argument(
+        "--engine",
+        choices=("reference", "native"),
+        default="reference",
+        help="run through the reference executor or compiled native code",
+    )
     args = parser.parse_args()
-    report = run_suite(workers=args.workers, pattern=args.pattern)
+    report = run_suite(workers=args.workers, pattern=args.pattern, engine=args.engine)
     write_report(report, args.report)
     summary = report["summary"]
     print(

@@ -158,7 +158,7 @@ def _compare(expected: np.ndarray, actual: np.ndarray, rtol: float, atol: float)
         np.testing.assert_array_equal(actual, expected)
 
 
-def run_case(folder: Path) -> dict:
+def run_case(folder: Path, engine: str = "reference") -> dict:
     """Run one case; returns {'status': passed|failed|not_supported|out_of_scope, 'reason'}."""
     import compiler_core.backend as backend
     from compiler_core.frontend.onnx import UnsupportedError
@@ -169,7 +169,7 @@ def run_case(folder: Path) -> dict:
         return {"status": "out_of_scope", "reason": reason}
     tolerances = json.loads((folder / "data.json").read_text())
     try:
-        rep = backend.prepare(model, "CPU")
+        rep = backend.prepare(model, "CPU", engine=engine)
         for data_dir in sorted(folder.glob("test_data_set_*")):
             inputs = _load_data_set(data_dir, "input")
             expected = _load_data_set(data_dir, "output")
@@ -197,27 +197,29 @@ def _short(err: Exception, limit: int = 400) -> str:
 
 
 def _run_named(args):
-    root, name = args
+    root, name, engine = args
     start = time.perf_counter()
-    result = run_case(Path(root) / name)
+    result = run_case(Path(root) / name, engine)
     result["seconds"] = round(time.perf_counter() - start, 3)
     return name, result
 
 
-def run_suite(workers: int = 2, pattern: str | None = None) -> dict:
+def run_suite(workers: int = 2, pattern: str | None = None, engine: str = "reference") -> dict:
     """Run every generated case; returns the report (see `summarize`)."""
     root = generate()
     names = sorted(p.name for p in root.iterdir() if p.is_dir())
     if pattern:
         names = [n for n in names if re.search(pattern, n)]
-    jobs = [(str(root), n) for n in names]
+    jobs = [(str(root), n, engine) for n in names]
     if workers > 1:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(workers, maxtasksperchild=200) as pool:
             results = dict(pool.imap_unordered(_run_named, jobs, chunksize=8))
     else:
         results = dict(map(_run_named, jobs))
-    return summarize(results)
+    report = summarize(results)
+    report["engine"] = engine
+    return report
 
 
 def summarize(results: dict[str, dict]) -> dict:
