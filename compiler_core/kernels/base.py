@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from compiler_core.graph.ir import Graph, Node, TensorType
-from compiler_core.loop.ir import INDEX, Const, Expr, as_expr
+from compiler_core.loop.ir import INDEX, Const, Expr
 from compiler_core.te import Tensor, placeholder
 
 
@@ -82,11 +82,3 @@ def broadcast_index(shape: Sequence[int], out_shape: Sequence[int], index: Seque
         Const(0, INDEX) if dim == 1 and out_shape[offset + k] != 1 else index[offset + k]
         for k, dim in enumerate(shape)
     )
-
-
-def scalar(value, dtype: str) -> Expr:
-    return Const(value, dtype) if not isinstance(value, Expr) else value
-
-
-def typed(value, like: Expr) -> Expr:
-    return as_expr(value, like.dtype)

@@ -86,10 +86,12 @@ def _softmax(log: bool) -> Builder:
             lambda *i: reduce_sum(Unary("exp", x[along(i, k2)] - peak[i]), k2),
             ctx.stage_name(node),
         )
-        if log:
-            body = lambda *i: x[i] - peak[keep(i)] - Unary("log", total[keep(i)])  # noqa: E731
-        else:
-            body = lambda *i: Unary("exp", x[i] - peak[keep(i)]) / total[keep(i)]  # noqa: E731
+
+        def body(*i):
+            if log:
+                return x[i] - peak[keep(i)] - Unary("log", total[keep(i)])
+            return Unary("exp", x[i] - peak[keep(i)]) / total[keep(i)]
+
         return [compute(x.shape, body, ctx.stage_name(node))]
 
     return build
