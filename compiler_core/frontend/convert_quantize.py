@@ -6,8 +6,8 @@ from compiler_core.frontend.convert_utils import (
     Converter,
     all_inputs,
     all_outputs,
+    convert_conv,
     input_at,
-    resolve_auto_pad,
 )
 from compiler_core.frontend.onnx import onnx_dtype_name
 
@@ -37,26 +37,6 @@ def convert_dequantize(ctx, node, attrs):
     ctx.emit("DequantizeLinear", all_inputs(node), all_outputs(node), **values)
 
 
-def convert_conv_integer(ctx, node, attrs):
-    x, w = ctx.type(node.input[0]), ctx.type(node.input[1])
-    nsp = x.rank - 2
-    kernel = tuple(attrs.get("kernel_shape") or w.shape[2:])
-    strides = tuple(attrs.get("strides") or (1,) * nsp)
-    dilations = tuple(attrs.get("dilations") or (1,) * nsp)
-    pads = resolve_auto_pad(
-        attrs.get("auto_pad", "NOTSET"), x.shape[2:], kernel, strides, dilations, attrs.get("pads")
-    )
-    ctx.emit(
-        "ConvInteger",
-        all_inputs(node),
-        all_outputs(node),
-        pads=pads,
-        strides=strides,
-        dilations=dilations,
-        group=attrs.get("group", 1),
-    )
-
-
 def passthrough(op: str) -> Converter:
     def convert(ctx, node, attrs):
         ctx.emit(op, all_inputs(node), all_outputs(node))
@@ -69,6 +49,6 @@ CONVERTERS: dict[str, dict[int, Converter]] = {
     "DequantizeLinear": {10: convert_dequantize},
     "DynamicQuantizeLinear": {11: passthrough("DynamicQuantizeLinear")},
     "MatMulInteger": {10: passthrough("MatMulInteger")},
-    "ConvInteger": {10: convert_conv_integer},
+    "ConvInteger": {10: convert_conv("ConvInteger")},
     "QLinearMatMul": {10: passthrough("QLinearMatMul")},
 }

@@ -141,3 +141,31 @@ def resolve_auto_pad(auto_pad, in_sizes, kernel, strides, dilations, pads):
         else:
             raise UnsupportedError(f"auto_pad {auto_pad!r} is not supported")
     return tuple(begins + ends)
+
+
+def convert_conv(op: str = "Conv") -> Converter:
+    """Conv and ConvInteger: auto_pad resolved into explicit pads; defaults made explicit."""
+
+    def convert(ctx, node, attrs):
+        x, w = ctx.type(node.input[0]), ctx.type(node.input[1])
+        nsp = x.rank - 2
+        kernel = tuple(attrs.get("kernel_shape") or w.shape[2:])
+        if kernel != tuple(w.shape[2:]):
+            raise UnsupportedError(f"node {node.name!r}: kernel_shape {kernel} != weight {w.shape}")
+        strides = tuple(attrs.get("strides") or (1,) * nsp)
+        dilations = tuple(attrs.get("dilations") or (1,) * nsp)
+        auto_pad = attrs.get("auto_pad", "NOTSET")
+        pads = resolve_auto_pad(
+            auto_pad, x.shape[2:], kernel, strides, dilations, attrs.get("pads")
+        )
+        ctx.emit(
+            op,
+            all_inputs(node),
+            all_outputs(node),
+            pads=pads,
+            strides=strides,
+            dilations=dilations,
+            group=attrs.get("group", 1),
+        )
+
+    return convert

@@ -29,6 +29,7 @@ from compiler_core.frontend.convert_utils import (
     Converter,
     all_inputs,
     all_outputs,
+    convert_conv,
     direct,
     emit_reshape,
     input_at,
@@ -40,28 +41,6 @@ from compiler_core.frontend.convert_utils import (
 from compiler_core.frontend.onnx import ImportContext, UnsupportedError, onnx_dtype_name
 
 # --- converters --------------------------------------------------------------------------------
-
-
-def convert_conv(ctx, node, attrs):
-    x, w = ctx.type(node.input[0]), ctx.type(node.input[1])
-    nsp = x.rank - 2
-    kernel = tuple(attrs.get("kernel_shape") or w.shape[2:])
-    if kernel != tuple(w.shape[2:]):
-        raise UnsupportedError(f"node {node.name!r}: kernel_shape {kernel} != weight {w.shape}")
-    strides = tuple(attrs.get("strides") or (1,) * nsp)
-    dilations = tuple(attrs.get("dilations") or (1,) * nsp)
-    pads = resolve_auto_pad(
-        attrs.get("auto_pad", "NOTSET"), x.shape[2:], kernel, strides, dilations, attrs.get("pads")
-    )
-    ctx.emit(
-        "Conv",
-        all_inputs(node),
-        all_outputs(node),
-        pads=pads,
-        strides=strides,
-        dilations=dilations,
-        group=attrs.get("group", 1),
-    )
 
 
 def convert_pool(op: str) -> Converter:
@@ -515,7 +494,7 @@ _CORE: dict[str, dict[int, Converter]] = {
     "Pad": {2: convert_pad_legacy, 11: convert_pad},
     "DepthToSpace": {1: convert_depth_to_space},
     "SpaceToDepth": {1: convert_space_to_depth},
-    "Conv": {1: convert_conv},
+    "Conv": {1: convert_conv()},
     "MaxPool": {1: convert_pool("MaxPool")},
     "AveragePool": {1: convert_pool("AveragePool")},
     "LpPool": {1: convert_pool("LpPool")},
