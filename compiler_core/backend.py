@@ -59,6 +59,7 @@ class KilnRep(BackendRep):
         )
 
     def _native_module(self, graph: Graph):
+        from compiler_core.codegen.llvm import CodegenError
         from compiler_core.compiler import compile_graph
         from compiler_core.frontend.onnx import UnsupportedError
         from compiler_core.kernels import KernelError
@@ -68,7 +69,7 @@ class KilnRep(BackendRep):
         if graph.key not in self._modules:
             try:
                 archive = compile_graph(graph, parse_target("llvm"), verify=False)
-            except KernelError as err:
+            except (KernelError, CodegenError) as err:
                 raise UnsupportedError(f"no native kernel: {err}") from None
             self._modules[graph.key] = load(archive)
         return self._modules[graph.key]

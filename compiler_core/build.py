@@ -219,11 +219,10 @@ def emit_entry(
     # Outputs that are constants or inputs themselves are copied into place.
     for index, value in enumerate(graph.outputs):
         if value in graph.constants or value in graph.inputs:
-            source = (
-                pointer(value)
-                if value in weights.offsets
-                else slot(inputs, graph.inputs.index(value))
-            )
+            if value in weights.offsets:  # not pointer(): that names the output slot itself
+                source = b.gep(blob, [i64(weights.offsets[value])], source_etype=ir.IntType(8))
+            else:
+                source = slot(inputs, graph.inputs.index(value))
             size = i64(graph.types[value].nbytes)
             b.call(memcpy, [slot(outputs, index), source, size, ir.IntType(1)(0)])
     b.ret_void()

@@ -56,6 +56,7 @@ class CodegenError(ValueError):
 PTR = ir.PointerType()
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 SCALAR_TYPES = {
+    "float16": ir.HalfType(),
     "float32": ir.FloatType(),
     "float64": ir.DoubleType(),
     "int64": I64,
@@ -87,7 +88,17 @@ LIBM = {
 
 
 def _is_float(dtype: str) -> bool:
-    return dtype in ("float32", "float64")
+    return dtype in ("float16", "float32", "float64")
+
+
+def memory_type(dtype: str) -> ir.Type:
+    try:
+        return SCALAR_TYPES[dtype]
+    except KeyError:
+        raise CodegenError(f"no LLVM type for element type {dtype}") from None
+
+
+UNSIGNED = frozenset({"bool", "uint8", "uint16", "uint32", "uint64"})
 
 
 def _align(dtype: str) -> int:
@@ -96,13 +107,13 @@ def _align(dtype: str) -> int:
 
 
 def _register_type(dtype: str) -> ir.Type:
-    return I1 if dtype == "bool" else SCALAR_TYPES[dtype]
+    return I1 if dtype == "bool" else memory_type(dtype)
 
 
 def _suffix(ty: ir.Type) -> str:
     if isinstance(ty, ir.VectorType):
         return f"v{ty.count}{_suffix(ty.element)}"
-    return {"float": "f32", "double": "f64"}[str(ty)]
+    return {"half": "f16", "float": "f32", "double": "f64"}[str(ty)]
 
 
 @dataclasses.dataclass
@@ -248,7 +259,7 @@ class FunctionEmitter:
         return pointer
 
     def _allocate(self, b: ir.IRBuilder, scope: _Scope, s: Allocate) -> None:
-        element = SCALAR_TYPES[s.buffer.dtype]
+        element = memory_type(s.buffer.dtype)
         if s.buffer.scope == "local":
             # Stack arrays live in the entry block so that LLVM can promote them to registers.
             pointer = self._stack_array(element, s.buffer.size, s.buffer.name)
@@ -278,7 +289,7 @@ class FunctionEmitter:
         base = scope.buffers.get(buffer)
         if base is None:
             raise CodegenError(f"buffer {buffer.name!r} is not in scope")
-        element = SCALAR_TYPES[buffer.dtype]
+        element = memory_type(buffer.dtype)
         if scope.lanes == 1 or not self._depends_on(flat, scope.vector_var):
             return "scalar", b.gep(base, [self._expr(b, scope, flat)], source_etype=element)
         form = affine(flat)
@@ -300,7 +311,7 @@ class FunctionEmitter:
 
     def _load(self, b, scope: _Scope, e: Load) -> ir.Value:
         kind, where = self._access(b, scope, e.buffer, e.indices)
-        element = SCALAR_TYPES[e.buffer.dtype]
+        element = memory_type(e.buffer.dtype)
         if kind == "scalar":
             value = self._from_memory(b, b.load(where, typ=element), e.dtype)
             return self._splat(b, value, scope.lanes) if scope.lanes > 1 else value
@@ -394,6 +405,12 @@ class FunctionEmitter:
         raise CodegenError(f"no LLVM rule for expression {type(e).__name__}")
 
     def _binary(self, b, op: str, dtype: str, x, y) -> ir.Value:
+        def compare_ints(kind: str, predicate: str, lhs, rhs):
+            # Booleans and unsigned types order as unsigned (in i1, true is -1 when signed).
+            if kind in UNSIGNED:
+                return b.icmp_unsigned(predicate, lhs, rhs)
+            return b.icmp_signed(predicate, lhs, rhs)
+
         if _is_float(dtype):
             table = {"add": b.fadd, "sub": b.fsub, "mul": b.fmul, "div": b.fdiv}
             if op in table:
@@ -415,14 +432,16 @@ class FunctionEmitter:
                 return b.sub(x, y)
             if op == "mul":
                 return b.mul(x, y)
-            if op in ("floordiv", "mod", "div"):
+            if op == "div":  # integer division truncates toward zero
+                return b.sdiv(x, y)
+            if op in ("floordiv", "mod"):
                 return self._floor_divmod(b, op, x, y)
             if op in ("min", "max"):
-                pick = b.icmp_signed("<" if op == "min" else ">", x, y)
+                pick = compare_ints(dtype, "<" if op == "min" else ">", x, y)
                 return b.select(pick, x, y)
             compare = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
             if op in compare:
-                return b.icmp_signed(compare[op], x, y)
+                return compare_ints(dtype, compare[op], x, y)
             if op == "and":
                 return b.and_(x, y)
             if op == "or":
@@ -461,7 +480,7 @@ class FunctionEmitter:
             one = ir.Constant(x.type, 1.0)
             return b.fdiv(one, b.fadd(one, exp, flags=FAST_MATH), flags=FAST_MATH)
         if op in LIBM:
-            scalar = SCALAR_TYPES[dtype]
+            scalar = memory_type(dtype)
             fn = self._declare(LIBM[op][dtype], scalar, [scalar])
             if not isinstance(x.type, ir.VectorType):
                 return b.call(fn, [x])
@@ -482,7 +501,7 @@ class FunctionEmitter:
             return ir.VectorType(scalar, lanes) if lanes else scalar
 
         if _is_float(src) and _is_float(dst):
-            wider = dst == "float64"
+            wider = np.dtype(dst).itemsize > np.dtype(src).itemsize
             return b.fpext(x, ty(dst)) if wider else b.fptrunc(x, ty(dst))
         if _is_float(src):
             if dst == "bool":

@@ -83,7 +83,7 @@ BINARY = {
     "Add": lambda n, a, b: a + b,
     "Sub": lambda n, a, b: a - b,
     "Mul": lambda n, a, b: a * b,
-    "Div": lambda n, a, b: a / b if a.dtype.startswith("float") else Binary("floordiv", a, b),
+    "Div": lambda n, a, b: a / b,
     "Pow": lambda n, a, b: Binary("pow", a, Cast(a.dtype, b) if b.dtype != a.dtype else b),
     "PRelu": lambda n, a, b: Select(a >= _const(0.0, a), a, a * b),
     "Equal": lambda n, a, b: a.equals(b),

@@ -223,7 +223,8 @@ def _pool(kind: str) -> Builder:
             for k in range(nsp)
         ]
         full_pads = tuple(pads[:nsp]) + tuple(ends)
-        low = -np.inf if kind == "max" else 0.0
+        lowest = -np.inf if np.dtype(x.dtype).kind == "f" else np.iinfo(x.dtype).min
+        low = lowest if kind == "max" else 0.0
         padded = _padded(ctx, node, x, full_pads, low)
         ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(kernel)]
 

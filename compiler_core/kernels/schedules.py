@@ -181,6 +181,8 @@ ANCHOR_OPS = ("Conv", "MatMul", "Gemm")
 
 
 def default_schedule(stages: list[StageInfo]) -> list[Record]:
+    # An empty stage lowers to nothing: there is nothing to schedule.
+    stages = [s for s in stages if all(stages_dim > 0 for stages_dim in s.shape)]
     records, kept = _inline_intermediates(stages)
     inlined = {s.name for s in stages} - {s.name for s in kept}
     handled: set[str] = set()

@@ -37,7 +37,7 @@ _BINARY: dict[str, Callable] = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
-    "div": lambda a, b: a / b,
+    "div": lambda a, b: a / b if isinstance(a, np.floating) else _truncating_div(a, b),
     "floordiv": lambda a, b: a // b,
     "mod": lambda a, b: a % b,
     "min": lambda a, b: min(a, b),
@@ -52,6 +52,12 @@ _BINARY: dict[str, Callable] = {
     "and": lambda a, b: bool(a) and bool(b),
     "or": lambda a, b: bool(a) or bool(b),
 }
+
+
+def _truncating_div(a, b):
+    """Integer division rounding toward zero (C's and ONNX's); // rounds down."""
+    quotient = abs(int(a)) // abs(int(b))
+    return quotient if (a < 0) == (b < 0) else -quotient
 
 
 def _unary(op: str, dtype: str) -> Callable:

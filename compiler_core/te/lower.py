@@ -8,6 +8,7 @@ from compiler_core.loop.ir import (
     INDEX,
     Allocate,
     Binary,
+    Block,
     Buffer,
     Const,
     Expr,
@@ -77,8 +78,12 @@ def stage_nest(t: Tensor, buffers: dict[int, Buffer]) -> Stmt:
     buf = buffers[id(t)]
     spatial = list(zip(op.axes, t.shape, strict=True))
     reduction = op.reduction
+    if any(extent == 0 for extent in t.shape):
+        return Block(())  # an empty tensor: nothing to compute
     if reduction is None:
         return _nest(spatial, Store(buf, op.axes, _to_loads(op.body, buffers)))
+    if any(axis.extent == 0 for axis in reduction.axes):  # reducing nothing: the initial value
+        return _nest(spatial, Store(buf, op.axes, Const(reduction.init, t.dtype)))
     # Reduce axes are renamed per stage so that two stages never share a loop variable.
     renamed = {a.name: Var(f"{t.name}_{a.name}") for a in reduction.axes}
     source = map_expr(

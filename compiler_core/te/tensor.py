@@ -76,6 +76,8 @@ class Reduction(Expr):
         dtype = np.dtype(self.dtype)
         if self.combiner == "sum":
             return 0
+        if dtype.kind == "b":
+            return self.combiner == "min"  # max of no booleans is False, min is True
         if self.combiner == "max":
             return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
         if self.combiner == "min":
