@@ -425,6 +425,20 @@ class FunctionEmitter:
             if op == "pow":
                 fn = self._declare(f"llvm.pow.{_suffix(x.type)}", x.type, [x.type, x.type])
                 return b.call(fn, [x, y])
+            if op == "fmod":  # C's fmod: the sign of the dividend
+                return b.frem(x, y)
+            if op == "mod":  # Python's mod: the sign of the divisor
+                r = b.frem(x, y)
+                zero = (
+                    ir.Constant(x.type, 0.0)
+                    if not isinstance(x.type, ir.VectorType)
+                    else ir.Constant(x.type, [0.0] * x.type.count)
+                )
+                fix = b.and_(
+                    b.fcmp_ordered("!=", r, zero),
+                    b.xor(b.fcmp_ordered("<", r, zero), b.fcmp_ordered("<", y, zero)),
+                )
+                return b.select(fix, b.fadd(r, y), r)
         else:
             if op == "add":
                 return b.add(x, y)
@@ -433,7 +447,13 @@ class FunctionEmitter:
             if op == "mul":
                 return b.mul(x, y)
             if op == "div":  # integer division truncates toward zero
-                return b.sdiv(x, y)
+                return b.udiv(x, y) if dtype in UNSIGNED else b.sdiv(x, y)
+            if op == "fmod":
+                return b.urem(x, y) if dtype in UNSIGNED else b.srem(x, y)
+            if op in ("shl", "shr"):
+                return self._shift(b, op, dtype, x, y)
+            if op == "xor":
+                return b.xor(x, y)
             if op in ("floordiv", "mod"):
                 return self._floor_divmod(b, op, x, y)
             if op in ("min", "max"):
@@ -447,6 +467,26 @@ class FunctionEmitter:
             if op == "or":
                 return b.or_(x, y)
         raise CodegenError(f"no LLVM rule for {op} on {dtype}")
+
+    def _shift(self, b, op, dtype, x, y):
+        """Shifts defined for every amount (LLVM leaves out-of-range amounts undefined):
+        a negative or too-large amount shifts everything out (a signed right shift leaves the
+        sign)."""
+        scalar = x.type.element if isinstance(x.type, ir.VectorType) else x.type
+        width = scalar.width
+
+        def const(value):
+            if isinstance(x.type, ir.VectorType):
+                return ir.Constant(x.type, [value] * x.type.count)
+            return ir.Constant(x.type, value)
+
+        # Unsigned comparison: a negative amount reads as a huge one.
+        too_far = b.icmp_unsigned(">=", y, const(width))
+        if op == "shl":
+            return b.select(too_far, const(0), b.shl(x, b.select(too_far, const(0), y)))
+        if dtype in UNSIGNED:
+            return b.select(too_far, const(0), b.lshr(x, b.select(too_far, const(0), y)))
+        return b.ashr(x, b.select(too_far, const(width - 1), y))
 
     def _floor_divmod(self, b, op, x, y):
         # Python (floor) semantics; index arithmetic is non-negative in practice, but the

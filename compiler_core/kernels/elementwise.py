@@ -93,6 +93,9 @@ BINARY = {
     "GreaterOrEqual": lambda n, a, b: a >= b,
     "And": lambda n, a, b: logical_and(a, b),
     "Or": lambda n, a, b: Binary("or", a, b),
+    "Xor": lambda n, a, b: Binary("xor", a, b),
+    "Mod": lambda n, a, b: Binary("fmod" if n.attr("fmod", 0) else "mod", a, b),
+    "BitShift": lambda n, a, b: Binary("shl" if n.attr("direction") == "LEFT" else "shr", a, b),
 }
 
 VARIADIC = {"Max": maximum, "Min": minimum, "Sum": lambda a, b: a + b}

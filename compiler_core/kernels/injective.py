@@ -200,7 +200,37 @@ def _pad(ctx: KernelContext, node: Node):
     return [compute(out.shape, body, ctx.stage_name(node))]
 
 
+def _trilu(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    k = Const(node.attr("k", 0), INDEX)
+
+    def body(*i):
+        offset = i[-1] - i[-2]
+        keep = offset >= k if node.attr("upper", 1) else offset <= k
+        return Select(keep, x[i], Const(0, x.dtype))
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+def _one_hot(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    indices, values = ctx.tensor(node.inputs[0]), ctx.tensor(node.inputs[1])
+    depth = node.attr("depth")
+    axis = node.attr("axis", -1) % out.rank
+
+    def body(*i):
+        raw = Cast(INDEX, indices[i[:axis] + i[axis + 1 :]])
+        wrapped = Select(raw < Const(0, INDEX), raw + Const(depth, INDEX), raw)
+        hot = wrapped.equals(i[axis])
+        return Select(hot, values[(Const(1, INDEX),)], values[(Const(0, INDEX),)])
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
 KERNELS: dict[str, Builder] = {
+    "Trilu": _trilu,
+    "OneHot": _one_hot,
     "Reshape": _reshape,
     "Transpose": _transpose,
     "Concat": _concat,

@@ -7,8 +7,15 @@ import math
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
-from compiler_core.loop.ir import Const, Expr, Unary
-from compiler_core.te import compute, reduce_axis, reduce_max, reduce_min, reduce_sum
+from compiler_core.loop.ir import INDEX, Cast, Const, Expr, Select, Unary
+from compiler_core.te import (
+    compute,
+    reduce_axis,
+    reduce_max,
+    reduce_min,
+    reduce_prod,
+    reduce_sum,
+)
 
 
 def _reduction(ctx: KernelContext, node: Node, x_value: str, combiner, transform=None):
@@ -50,7 +57,84 @@ def _mean(value: Expr, count: int) -> Expr:
     return value / Const(float(count), value.dtype)
 
 
+def _log_sum_exp(ctx: KernelContext, node: Node):
+    """log(sum(exp(x - max))) + max: stable for large inputs."""
+    peak, _ = _reduction(ctx, node, node.inputs[0], reduce_max)
+    x = ctx.tensor(node.inputs[0])
+    axes = reduce_axes(node, len(x.shape))
+    keep = node.attr("keepdims", 1)
+
+    def peak_at(index):
+        if keep:
+            return peak[tuple(Const(0, "int64") if k in axes else v for k, v in enumerate(index))]
+        return peak[tuple(v for k, v in enumerate(index) if k not in axes)]
+
+    shifted = compute(x.shape, lambda *i: Unary("exp", x[i] - peak_at(i)), ctx.stage_name(node))
+    total = _reduction_of(ctx, node, shifted, reduce_sum)
+    return [compute(total.shape, lambda *i: Unary("log", total[i]) + peak[i], ctx.stage_name(node))]
+
+
+def _reduction_of(ctx: KernelContext, node: Node, x, combiner):
+    axes = reduce_axes(node, len(x.shape))
+    keep = node.attr("keepdims", 1)
+    out = ctx.type(node.outputs[0])
+    raxes = [reduce_axis(x.shape[a], f"r{a}") for a in axes]
+
+    def body(*i):
+        index, position = [], 0
+        for k in range(len(x.shape)):
+            if k in axes:
+                index.append(raxes[axes.index(k)])
+                position += 1 if keep else 0
+            else:
+                index.append(i[position])
+                position += 1
+        return combiner(x[tuple(index)], raxes)
+
+    return compute(out.shape, body, ctx.stage_name(node), out.dtype)
+
+
+def _arg(kind: str) -> Builder:
+    """ArgMax/ArgMin: the extreme value first, then the first (or last) index that has it."""
+
+    def build(ctx: KernelContext, node: Node):
+        x = ctx.tensor(node.inputs[0])
+        rank = len(x.shape)
+        axis = node.attr("axis", 0) % rank
+        keep = node.attr("keepdims", 1)
+        out = ctx.type(node.outputs[0])
+        k1 = reduce_axis(x.shape[axis], "r")
+
+        def along(i, k):
+            spatial = list(i)
+            if not keep:
+                spatial.insert(axis, None)
+            spatial[axis] = k
+            return tuple(spatial)
+
+        combiner = reduce_max if kind == "max" else reduce_min
+        extreme = compute(out.shape, lambda *i: combiner(x[along(i, k1)], k1), ctx.stage_name(node))
+        k2 = reduce_axis(x.shape[axis], "r")
+        last = node.attr("select_last_index", 0)
+        missing = Const(-1 if last else x.shape[axis], INDEX)
+
+        def position(*i):
+            hit = x[along(i, k2)].equals(extreme[i])
+            index = Cast(INDEX, k2)
+            pick = reduce_max if last else reduce_min
+            return pick(Select(hit, index, missing), k2)
+
+        return [compute(out.shape, position, ctx.stage_name(node), "int64")]
+
+    return build
+
+
 KERNELS_REDUCE: dict[str, Builder] = {
+    "ReduceProd": _simple(reduce_prod),
+    "ReduceLogSum": _simple(reduce_sum, finish=lambda v, n: Unary("log", v)),
+    "ReduceLogSumExp": _log_sum_exp,
+    "ArgMax": _arg("max"),
+    "ArgMin": _arg("min"),
     "ReduceSum": _simple(reduce_sum),
     "ReduceMean": _simple(reduce_sum, finish=_mean),
     "ReduceMax": _simple(reduce_max),

@@ -134,7 +134,21 @@ class Const(Expr):
 
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGICAL = ("and", "or")
-ARITHMETIC = ("add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "pow")
+ARITHMETIC = (
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "floordiv",
+    "mod",
+    "fmod",
+    "min",
+    "max",
+    "pow",
+    "shl",
+    "shr",
+    "xor",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from compiler_core.te.tensor import (
     reduce_axis,
     reduce_max,
     reduce_min,
+    reduce_prod,
     reduce_sum,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "reduce_axis",
     "reduce_max",
     "reduce_min",
+    "reduce_prod",
     "reduce_sum",
 ]

@@ -24,7 +24,7 @@ from compiler_core.loop.ir import (
 from compiler_core.loop.transform import map_expr
 from compiler_core.te.tensor import Reduction, Tensor, TensorRead
 
-COMBINERS = {"sum": "add", "max": "max", "min": "min"}
+COMBINERS = {"sum": "add", "prod": "mul", "max": "max", "min": "min"}
 
 
 def _reads(expr: Expr) -> list[Tensor]:

@@ -76,6 +76,8 @@ class Reduction(Expr):
         dtype = np.dtype(self.dtype)
         if self.combiner == "sum":
             return 0
+        if self.combiner == "prod":
+            return 1
         if dtype.kind == "b":
             return self.combiner == "min"  # max of no booleans is False, min is True
         if self.combiner == "max":
@@ -125,6 +127,10 @@ def reduce_sum(source: Expr, axes) -> Reduction:
 
 def reduce_max(source: Expr, axes) -> Reduction:
     return _reduce("max", source, axes)
+
+
+def reduce_prod(source: Expr, axes) -> Reduction:
+    return _reduce("prod", source, axes)
 
 
 def reduce_min(source: Expr, axes) -> Reduction:
