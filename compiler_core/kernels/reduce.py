@@ -6,7 +6,7 @@ import math
 
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.reduce import reduce_axes
-from compiler_core.kernels.base import Builder, KernelContext, KernelError
+from compiler_core.kernels.base import Builder, KernelContext
 from compiler_core.loop.ir import INDEX, Cast, Const, Expr, Select, Unary
 from compiler_core.te import (
     compute,
@@ -182,8 +182,6 @@ def _softmax(log: bool) -> Builder:
 
 
 def _layer_norm(ctx: KernelContext, node: Node):
-    if any(node.outputs[1:]):
-        raise KernelError(f"node {node.name!r}: LayerNormalization statistics outputs")
     x = ctx.tensor(node.inputs[0])
     rank = len(x.shape)
     axis = node.attr("axis", -1) % rank
@@ -217,6 +215,75 @@ def _layer_norm(ctx: KernelContext, node: Node):
         scaled = normalized * scale[_param_index(scale, rest)]
         return scaled + bias[_param_index(bias, rest)] if bias is not None else scaled
 
+    outputs = [compute(x.shape, body, ctx.stage_name(node))]
+    stat_type = ctx.type(node.outputs[1]) if len(node.outputs) > 1 and node.outputs[1] else None
+    if stat_type is not None or (len(node.outputs) > 2 and node.outputs[2]):
+        # Saved statistics (for training graphs): the mean and 1/sqrt(var + eps), keepdims.
+        shape = x.shape[:axis] + (1,) * (rank - axis)
+        outputs.append(
+            compute(shape, lambda *i: total[i[:axis]] * inverse_count, ctx.stage_name(node))
+        )
+        outputs.append(
+            compute(
+                shape,
+                lambda *i: (
+                    Const(1.0, x.dtype)
+                    / Unary("sqrt", squares[i[:axis]] * inverse_count + Const(eps, x.dtype))
+                ),
+                ctx.stage_name(node),
+            )
+        )
+    return [t for t, value in zip(outputs, node.outputs, strict=False) if value]
+
+
+def _rms_norm(ctx: KernelContext, node: Node):
+    x = ctx.tensor(node.inputs[0])
+    scale = ctx.tensor(node.inputs[1])
+    rank = len(x.shape)
+    axis = node.attr("axis", -1) % rank
+    inner = x.shape[axis:]
+    inverse_count = Const(1.0 / math.prod(inner), x.dtype)
+    ks = [reduce_axis(d, f"r{j}") for j, d in enumerate(inner)]
+
+    def square(i):
+        v = x[tuple(i) + tuple(ks)]
+        return v * v
+
+    squares = compute(x.shape[:axis], lambda *i: reduce_sum(square(i), ks), ctx.stage_name(node))
+
+    def body(*i):
+        rms = Unary(
+            "sqrt", squares[i[:axis]] * inverse_count + Const(node.attr("epsilon", 1e-5), x.dtype)
+        )
+        return x[i] / rms * scale[_param_index(scale, i[axis:])]
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
+def _hardmax(ctx: KernelContext, node: Node):
+    """1 at the first maximum along the axis, 0 elsewhere."""
+    x = ctx.tensor(node.inputs[0])
+    rank = len(x.shape)
+    axis = node.attr("axis", -1) % rank
+    reduced = tuple(1 if d == axis else s for d, s in enumerate(x.shape))
+    k = reduce_axis(x.shape[axis], "r")
+
+    def along(i, j):
+        return tuple(j if d == axis else i[d] for d in range(rank))
+
+    peak = compute(reduced, lambda *i: reduce_max(x[along(i, k)], k), ctx.stage_name(node))
+    k2 = reduce_axis(x.shape[axis], "r")
+
+    def first(*i):
+        hit = x[along(i, k2)].equals(peak[i])
+        return reduce_min(Select(hit, Cast(INDEX, k2), Const(x.shape[axis], INDEX)), k2)
+
+    position = compute(reduced, first, ctx.stage_name(node), "int64")
+
+    def body(*i):
+        keep = tuple(Const(0, INDEX) if d == axis else i[d] for d in range(rank))
+        return Select(position[keep].equals(i[axis]), Const(1, x.dtype), Const(0, x.dtype))
+
     return [compute(x.shape, body, ctx.stage_name(node))]
 
 
@@ -233,4 +300,6 @@ KERNELS: dict[str, Builder] = {
     "Softmax": _softmax(log=False),
     "LogSoftmax": _softmax(log=True),
     "LayerNormalization": _layer_norm,
+    "RMSNormalization": _rms_norm,
+    "Hardmax": _hardmax,
 }
