@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from compiler_core.graph.ir import Node
+from compiler_core.graph.ops.image import axis_weights
 from compiler_core.graph.ops.tensor import slice_objects
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
-from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, logical_and
-from compiler_core.te import compute
+from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
+from compiler_core.te import compute, reduce_axis, reduce_sum
 
 
 def clamp(index: Expr, size: int) -> Expr:
@@ -241,3 +244,65 @@ KERNELS: dict[str, Builder] = {
     "Tile": _tile,
     "Pad": _pad,
 }
+
+
+def _resize(ctx: KernelContext, node: Node):
+    """Separable resampling with build-time tap tables: for every resized axis, each output
+    position reads a few input positions with fixed weights (the reference's weight matrix,
+    kept sparse)."""
+    x = ctx.tensor(node.inputs[0])
+    out = ctx.type(node.outputs[0])
+    scales = node.attr("scales")
+    tables, any_outside = {}, False
+    for axis, (in_len, out_len) in enumerate(zip(x.shape, out.shape, strict=True)):
+        if in_len == out_len and scales[axis] == 1.0 and node.attr("roi", None) is None:
+            continue
+        matrix, outside = axis_weights(node, axis, in_len, out_len, scales[axis])
+        taps = max(1, int((matrix != 0).sum(axis=1).max()))
+        index = np.zeros((out_len, taps), np.int64)
+        weight = np.zeros((out_len, taps), np.float32)
+        for row in range(out_len):
+            columns = np.nonzero(matrix[row])[0]
+            index[row, : len(columns)] = columns
+            weight[row, : len(columns)] = matrix[row, columns]
+        label = f"resize_axis{axis}"
+        tables[axis] = (
+            ctx.packed(node.outputs[0], f"{label}_index", index),
+            ctx.packed(node.outputs[0], f"{label}_weight", weight),
+            ctx.packed(node.outputs[0], f"{label}_outside", outside.astype(np.int64)),
+            reduce_axis(taps, f"tap{axis}"),
+        )
+        any_outside |= bool(outside.any())
+
+    def body(*i):
+        source, weight, outside = list(i), None, None
+        for axis, (index, weights, out_mask, tap) in tables.items():
+            source[axis] = index[(i[axis], tap)]
+            w = weights[(i[axis], tap)]
+            weight = w if weight is None else weight * w
+            flag = out_mask[(i[axis],)]
+            outside = flag if outside is None else Binary("max", outside, flag)
+        value = Cast("float32", x[tuple(source)]) * weight if weight is not None else x[i]
+        return reduce_sum(value, [t[3] for t in tables.values()]) if tables else value
+
+    total = compute(out.shape, body, ctx.stage_name(node), "float32" if tables else out.dtype)
+    fill = Const(node.attr("extrapolation_value", 0.0), "float32")
+
+    def finish(*i):
+        value = total[i]
+        if any_outside:
+            flags = [t[2][(i[a],)] for a, t in tables.items()]
+            hit = flags[0]
+            for flag in flags[1:]:
+                hit = Binary("max", hit, flag)
+            value = Select(hit > Const(0, INDEX), fill, value)
+        if out.dtype != "float32":
+            value = Cast(out.dtype, Unary("round", value))
+        return value
+
+    if not any_outside and out.dtype == "float32":
+        return [total]
+    return [compute(out.shape, finish, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS["Resize"] = _resize
