@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from compiler_core.kernels import elementwise, injective, losses, nn, reduce
+from compiler_core.kernels import elementwise, injective, losses, nn, reduce, transformer
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
 
 
@@ -21,7 +21,12 @@ def _merge(*tables: dict[str, Builder]) -> dict[str, Builder]:
 
 
 KERNELS: dict[str, Builder] = _merge(
-    elementwise.KERNELS, injective.KERNELS, reduce.KERNELS, nn.KERNELS, losses.KERNELS
+    elementwise.KERNELS,
+    injective.KERNELS,
+    reduce.KERNELS,
+    nn.KERNELS,
+    losses.KERNELS,
+    transformer.KERNELS,
 )
 
 __all__ = ["KERNELS", "KernelContext", "KernelError"]
