@@ -1,0 +1,43 @@
+"""A slice of the ONNX node suite through compiled native code (the full native run takes a few
+minutes: `python -m tests.conformance.run_suite --engine native`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance.suite import run_suite
+
+NATIVE_MUST_PASS = (
+    "test_relu",
+    "test_clip",
+    "test_conv_with_strides_padding",
+    "test_basic_conv_with_padding",
+    "test_gemm_default_single_elem_vector_bias",
+    "test_matmul_4d",
+    "test_maxpool_2d_pads",
+    "test_averagepool_2d_ceil",
+    "test_globalaveragepool",
+    "test_softmax_axis_1",
+    "test_layer_normalization_4d_axis1",
+    "test_transpose_all_permutations_3",
+    "test_concat_3d_axis_negative_1",
+    "test_gather_negative_indices",
+    "test_resize_upsample_scales_linear",
+    "test_attention_4d_causal",
+    "test_sce_mean_weight",
+    "test_argmax_keepdims_example",
+    "test_bitshift_right_int32_shift_ge_width",
+    "test_div_int32_trunc",
+)
+
+
+@pytest.fixture(scope="module")
+def report():
+    pattern = "^(" + "|".join(NATIVE_MUST_PASS) + ")$"
+    return run_suite(workers=2, pattern=pattern, engine="native")
+
+
+@pytest.mark.parametrize("name", NATIVE_MUST_PASS)
+def test_native_case_passes(report, name):
+    result = report["results"][name]
+    assert result["status"] == "passed", f"{name}: {result['reason']}"
