@@ -421,6 +421,8 @@ class FunctionEmitter:
                 return b.call(fn, [x, y])
             compare = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
             if op in compare:
+                if op == "ne":  # NaN != anything is true, as in IEEE and numpy
+                    return b.fcmp_unordered("!=", x, y)
                 return b.fcmp_ordered(compare[op], x, y)
             if op == "pow":
                 fn = self._declare(f"llvm.pow.{_suffix(x.type)}", x.type, [x.type, x.type])
@@ -454,6 +456,10 @@ class FunctionEmitter:
                 return self._shift(b, op, dtype, x, y)
             if op == "xor":
                 return b.xor(x, y)
+            if op == "bitand":
+                return b.and_(x, y)
+            if op == "bitor":
+                return b.or_(x, y)
             if op in ("floordiv", "mod"):
                 return self._floor_divmod(b, op, x, y)
             if op in ("min", "max"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from compiler_core.graph.ir import Node
 from compiler_core.kernels.base import Builder, KernelContext, broadcast_index
 from compiler_core.loop.ir import (
@@ -77,6 +79,38 @@ UNARY = {
         _const(n.attr("alpha", 1.0), x) * (Unary("exp", x) - _const(1.0, x)),
     ),
     "Not": lambda n, x: Unary("not", x),
+    "BitwiseNot": lambda n, x: Binary("xor", x, _all_ones(x)),
+    "Celu": lambda n, x: (
+        maximum(x, _const(0.0, x))
+        + minimum(
+            _const(0.0, x),
+            _const(n.attr("alpha", 1.0), x)
+            * (Unary("exp", x / _const(n.attr("alpha", 1.0), x)) - _const(1.0, x)),
+        )
+    ),
+    "ThresholdedRelu": lambda n, x: Select(x > _const(n.attr("alpha", 1.0), x), x, _const(0.0, x)),
+    "Mish": lambda n, x: x * Unary("tanh", Unary("log", _const(1.0, x) + Unary("exp", x))),
+}
+
+
+def _all_ones(x: Expr) -> Expr:
+    info = np.iinfo(x.dtype)
+    return Const(-1 if info.min < 0 else info.max, x.dtype)
+
+
+def _is_inf(n: Node, x: Expr) -> Expr:
+    positive = x.equals(_const(np.inf, x))
+    negative = x.equals(_const(-np.inf, x))
+    if not n.attr("detect_positive", 1):
+        return negative
+    if not n.attr("detect_negative", 1):
+        return positive
+    return Binary("or", positive, negative)
+
+
+PREDICATES = {
+    "IsInf": _is_inf,
+    "IsNaN": lambda n, x: Binary("ne", x, x),
 }
 
 BINARY = {
@@ -94,6 +128,9 @@ BINARY = {
     "And": lambda n, a, b: logical_and(a, b),
     "Or": lambda n, a, b: Binary("or", a, b),
     "Xor": lambda n, a, b: Binary("xor", a, b),
+    "BitwiseAnd": lambda n, a, b: Binary("bitand", a, b),
+    "BitwiseOr": lambda n, a, b: Binary("bitor", a, b),
+    "BitwiseXor": lambda n, a, b: Binary("xor", a, b),
     "Mod": lambda n, a, b: Binary("fmod" if n.attr("fmod", 0) else "mod", a, b),
     "BitShift": lambda n, a, b: Binary("shl" if n.attr("direction") == "LEFT" else "shr", a, b),
 }
@@ -178,6 +215,7 @@ KERNELS: dict[str, Builder] = {
     **{op: _unary_builder(fn) for op, fn in UNARY.items()},
     **{op: _nary_builder(fn) for op, fn in BINARY.items()},
     **{op: _variadic_builder(fn) for op, fn in VARIADIC.items()},
+    **{op: _unary_builder(fn) for op, fn in PREDICATES.items()},
     "Mean": _nary_builder(_mean),
     "Where": _nary_builder(_where),
     "Cast": _unary_builder(_cast),

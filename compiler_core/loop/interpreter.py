@@ -47,6 +47,8 @@ _BINARY: dict[str, Callable] = {
     "shl": lambda a, b: a << b,
     "shr": lambda a, b: a >> b,
     "xor": lambda a, b: a ^ b,
+    "bitand": lambda a, b: a & b,
+    "bitor": lambda a, b: a | b,
     "lt": lambda a, b: a < b,
     "le": lambda a, b: a <= b,
     "gt": lambda a, b: a > b,

@@ -148,6 +148,8 @@ ARITHMETIC = (
     "shl",
     "shr",
     "xor",
+    "bitand",
+    "bitor",
 )
 
 

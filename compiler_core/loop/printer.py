@@ -40,6 +40,8 @@ _INFIX = {
     "shl": "<<",
     "shr": ">>",
     "xor": "^",
+    "bitand": "&",
+    "bitor": "|",
 }
 
 
