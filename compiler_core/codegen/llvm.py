@@ -552,15 +552,15 @@ class FunctionEmitter:
         if _is_float(src):
             if dst == "bool":
                 return b.fcmp_unordered("!=", x, ir.Constant(x.type, 0.0))
-            return b.fptosi(x, ty(dst))
+            return b.fptoui(x, ty(dst)) if dst in UNSIGNED else b.fptosi(x, ty(dst))
         if _is_float(dst):
-            return b.uitofp(x, ty(dst)) if src in ("bool", "uint8") else b.sitofp(x, ty(dst))
+            return b.uitofp(x, ty(dst)) if src in UNSIGNED else b.sitofp(x, ty(dst))
         if dst == "bool":
             return b.icmp_signed("!=", x, ir.Constant(x.type, 0))
         src_bits, dst_bits = x.type.width if not lanes else x.type.element.width, ty(dst)
         dst_width = dst_bits.width if not lanes else dst_bits.element.width
         if dst_width > src_bits:
-            unsigned = src in ("bool", "uint8")
+            unsigned = src in UNSIGNED
             return b.zext(x, ty(dst)) if unsigned else b.sext(x, ty(dst))
         return b.trunc(x, ty(dst)) if dst_width < src_bits else x
 

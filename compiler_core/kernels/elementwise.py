@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from compiler_core.graph.ir import Node
-from compiler_core.kernels.base import Builder, KernelContext, broadcast_index
+from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.loop.ir import (
     Binary,
     Cast,
@@ -221,3 +221,48 @@ KERNELS: dict[str, Builder] = {
     "Cast": _unary_builder(_cast),
     "BatchNormalization": _batch_norm,
 }
+
+
+def _quantization_param(ctx: KernelContext, node: Node, value: str, index):
+    """A per-tensor (scalar) or per-axis (1-D) scale or zero point at an element's index."""
+    t = ctx.tensor(value)
+    if not t.shape or (len(t.shape) == 1 and t.shape[0] == 1 and len(index) <= 1):
+        return t[tuple(Const(0, "int64") for _ in t.shape)]
+    if len(t.shape) != 1:
+        raise KernelError(f"node {node.name!r}: blocked quantization has no native kernel")
+    axis = node.attr("axis", 1) % len(index)
+    return t[(index[axis],)]
+
+
+def _quantize(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    info = np.iinfo(out.dtype)
+    has_zero = len(node.inputs) > 2 and node.inputs[2]
+
+    def body(*i):
+        scale = Cast("float32", _quantization_param(ctx, node, node.inputs[1], i))
+        value = Unary("round", Cast("float32", x[i]) / scale)
+        if has_zero:
+            value = value + Cast("float32", _quantization_param(ctx, node, node.inputs[2], i))
+        low, high = Const(float(info.min), "float32"), Const(float(info.max), "float32")
+        return Cast(out.dtype, minimum(maximum(value, low), high))
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+def _dequantize(ctx: KernelContext, node: Node):
+    out = ctx.type(node.outputs[0])
+    x = ctx.tensor(node.inputs[0])
+    has_zero = len(node.inputs) > 2 and node.inputs[2]
+
+    def body(*i):
+        value = Cast(out.dtype, x[i])
+        if has_zero:
+            value = value - Cast(out.dtype, _quantization_param(ctx, node, node.inputs[2], i))
+        return value * Cast(out.dtype, _quantization_param(ctx, node, node.inputs[1], i))
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS.update({"QuantizeLinear": _quantize, "DequantizeLinear": _dequantize})

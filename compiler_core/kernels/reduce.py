@@ -303,3 +303,59 @@ KERNELS: dict[str, Builder] = {
     "RMSNormalization": _rms_norm,
     "Hardmax": _hardmax,
 }
+
+
+def _scan(kind: str) -> Builder:
+    """CumSum/CumProd: each output sums (multiplies) the inputs up to its position; written as
+    a masked reduction along the axis."""
+
+    def build(ctx: KernelContext, node: Node):
+        x = ctx.tensor(node.inputs[0])
+        axis = node.attr("axis") % len(x.shape)
+        exclusive, reverse = node.attr("exclusive", 0), node.attr("reverse", 0)
+        k = reduce_axis(x.shape[axis], "rs")
+        identity = Const(0 if kind == "sum" else 1, x.dtype)
+        combiner = reduce_sum if kind == "sum" else reduce_prod
+
+        def body(*i):
+            position = i[axis]
+            if reverse:
+                take = k > position if exclusive else k >= position
+            else:
+                take = k < position if exclusive else k <= position
+            source = tuple(k if d == axis else v for d, v in enumerate(i))
+            return combiner(Select(take, x[source], identity), k)
+
+        return [compute(x.shape, body, ctx.stage_name(node))]
+
+    return build
+
+
+def _lp_normalization(ctx: KernelContext, node: Node):
+    x = ctx.tensor(node.inputs[0])
+    axis = node.attr("axis", -1) % len(x.shape)
+    k = reduce_axis(x.shape[axis], "rn")
+    reduced = tuple(1 if d == axis else s for d, s in enumerate(x.shape))
+
+    def term(i):
+        v = x[tuple(k if d == axis else i[d] for d in range(len(x.shape)))]
+        return Unary("abs", v) if node.attr("p", 2) == 1 else v * v
+
+    total = compute(reduced, lambda *i: reduce_sum(term(i), k), ctx.stage_name(node))
+
+    def body(*i):
+        at = tuple(Const(0, INDEX) if d == axis else v for d, v in enumerate(i))
+        norm = total[at] if node.attr("p", 2) == 1 else Unary("sqrt", total[at])
+        zero = Const(0.0, x.dtype)
+        return Select(norm > zero, x[i] / norm, zero)
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
+KERNELS.update(
+    {
+        "CumSum": _scan("sum"),
+        "CumProd": _scan("prod"),
+        "LpNormalization": _lp_normalization,
+    }
+)
