@@ -14,7 +14,7 @@ from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
-from compiler_core.loop.ir import INDEX, Binary, Const, Select, logical_and
+from compiler_core.loop.ir import INDEX, Binary, Const, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_sum
 
 CHANNEL_BLOCK = 16  # output channels per vector (16 x float32 = one zmm register)
@@ -233,6 +233,17 @@ def _pool(kind: str) -> Builder:
 
         if kind == "max":
             return [compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))]
+        if kind == "lp":
+            p = Const(float(node.attr("p", 2)), x.dtype)
+            powered = compute(
+                out.shape,
+                lambda *i: reduce_sum(Binary("pow", Unary("abs", window(*i)), p), ks),
+                ctx.stage_name(node),
+            )
+            root = Const(1.0 / node.attr("p", 2), x.dtype)
+            return [
+                compute(out.shape, lambda *i: Binary("pow", powered[i], root), ctx.stage_name(node))
+            ]
         total = compute(out.shape, lambda *i: reduce_sum(window(*i), ks), ctx.stage_name(node))
         counts = _average_divisors(node, x.shape, out.shape, kernel, pads, strides, dilations)
         divisor = ctx.packed(node.outputs[0], "pool_divisor", counts.astype(np.float32))
@@ -293,5 +304,49 @@ KERNELS: dict[str, Builder] = {
     "Gemm": _gemm,
     "MaxPool": _pool("max"),
     "AveragePool": _pool("avg"),
+    "LpPool": _pool("lp"),
     "LRN": _lrn,
 }
+
+
+def _conv_transpose(ctx: KernelContext, node: Node):
+    """out[n, m, o] = sum over c and k of x[n, c, (o + pad - k*d) / s] * w[c, m, k], where
+    the division is exact and the position inside the input."""
+    x = ctx.tensor(node.inputs[0])
+    w = ctx.tensor(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    nsp = len(x.shape) - 2
+    strides, dilations = node.attr("strides"), node.attr("dilations")
+    pads, group = node.attr("pads"), node.attr("group", 1)
+    cg, mg = x.shape[1] // group, w.shape[1]
+    c = reduce_axis(cg, "rc")
+    ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(w.shape[2:])]
+    has_bias = len(node.inputs) > 2 and node.inputs[2]
+    bias = ctx.tensor(node.inputs[2]) if has_bias else None
+
+    def body(n, m, *o):
+        g = Binary("floordiv", m, Const(mg, INDEX))
+        channel = g * Const(cg, INDEX) + c
+        source, ok = [], None
+        for k in range(nsp):
+            shifted = o[k] + Const(pads[k], INDEX) - ks[k] * Const(dilations[k], INDEX)
+            position = Binary("floordiv", shifted, Const(strides[k], INDEX))
+            exact = Binary("mod", shifted, Const(strides[k], INDEX)).equals(Const(0, INDEX))
+            inside = logical_and(
+                position >= Const(0, INDEX), position < Const(x.shape[2 + k], INDEX)
+            )
+            cond = logical_and(exact, inside)
+            ok = cond if ok is None else logical_and(ok, cond)
+            source.append(clamp(position, x.shape[2 + k]))
+        value = x[(n, channel, *source)] * w[(channel, Binary("mod", m, Const(mg, INDEX)), *ks)]
+        return reduce_sum(Select(ok, value, Const(0.0, x.dtype)), [c, *ks])
+
+    result = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    if bias is None:
+        return [result]
+    return [
+        compute(out.shape, lambda n, m, *o: result[(n, m, *o)] + bias[(m,)], ctx.stage_name(node))
+    ]
+
+
+KERNELS["ConvTranspose"] = _conv_transpose
