@@ -306,3 +306,104 @@ def _resize(ctx: KernelContext, node: Node):
 
 
 KERNELS["Resize"] = _resize
+
+
+def _grid_sample(ctx: KernelContext, node: Node):
+    """Sampling at grid positions: coordinates are computed from the grid values in the
+    kernel, taps outside the input read 0 (border and reflection act on the coordinate)."""
+    x = ctx.tensor(node.inputs[0])
+    grid = ctx.tensor(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    if np.dtype(x.dtype).kind != "f":
+        raise KernelError(f"node {node.name!r}: GridSample on {x.dtype}")
+    nsp = len(x.shape) - 2
+    sizes = x.shape[2:]
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(
+        node.attr("mode", "linear"), node.attr("mode", "linear")
+    )
+    padding = node.attr("padding_mode", "zeros")
+    align = bool(node.attr("align_corners", 0))
+    f = "float32"
+
+    def c(v):
+        return Const(float(v), f)
+
+    def unnormalize(g, size):
+        if align:
+            return (g + c(1)) / c(2) * c(size - 1)
+        return ((g + c(1)) * c(size) - c(1)) / c(2)
+
+    def reflect(v, low2, high2):
+        if low2 == high2:
+            return c(0)
+        low, span = low2 / 2, (high2 - low2) / 2
+        d = Unary("abs", v - c(low))
+        extra = Binary("fmod", d, c(span))
+        flips = Unary("floor", d / c(span))
+        even = Binary("fmod", flips, c(2)).equals(c(0))
+        return Select(even, extra + c(low), c(span) - extra + c(low))
+
+    def pad_coordinate(v, size):
+        if padding == "border":
+            return Binary("min", Binary("max", v, c(0)), c(size - 1))
+        if padding == "reflection":
+            bounds = (0, 2 * (size - 1)) if align else (-1, 2 * size - 1)
+            r = reflect(v, *bounds)
+            return Binary("min", Binary("max", r, c(0)), c(size - 1))
+        return v
+
+    def tap_value(n, ch, taps):
+        ok, index = None, []
+        for t, size in zip(taps, sizes, strict=True):
+            inside = logical_and(t >= Const(0, INDEX), t < Const(size, INDEX))
+            ok = inside if ok is None else logical_and(ok, inside)
+            index.append(clamp(t, size))
+        return Select(ok, Cast(f, x[(n, ch, *index)]), c(0))
+
+    def cubic_weight(distance):
+        a = -0.75
+        d = Unary("abs", distance)
+        near = ((c(a + 2) * d - c(a + 3)) * d * d) + c(1)
+        far = ((c(a) * d - c(5 * a)) * d + c(8 * a)) * d - c(4 * a)
+        return Select(d <= c(1), near, far)
+
+    def body(n, ch, *o):
+        coords = [
+            unnormalize(Cast(f, grid[(n, *o, Const(nsp - 1 - d, INDEX))]), sizes[d])
+            for d in range(nsp)
+        ]
+        if mode == "nearest":
+            taps = [
+                Cast(INDEX, Unary("round", pad_coordinate(v, s)))
+                for v, s in zip(coords, sizes, strict=True)
+            ]
+            return Cast(x.dtype, tap_value(n, ch, taps))
+        if mode == "linear":
+            coords = [pad_coordinate(v, s) for v, s in zip(coords, sizes, strict=True)]
+            offsets, count = (0, 1), 2
+        else:
+            offsets, count = (-1, 0, 1, 2), 4
+        total = None
+        for corner in np.ndindex(*(count,) * nsp):
+            weight, taps = None, []
+            for d, k in enumerate(corner):
+                low = Unary("floor", coords[d])
+                frac = coords[d] - low
+                shift = offsets[k]
+                if mode == "linear":
+                    w = frac if shift else c(1) - frac
+                else:
+                    w = cubic_weight(frac - c(shift))
+                weight = w if weight is None else weight * w
+                position = low + c(shift)
+                if mode == "cubic" and padding != "zeros":
+                    position = Unary("round", pad_coordinate(position, sizes[d]))
+                taps.append(Cast(INDEX, position))
+            term = weight * tap_value(n, ch, taps)
+            total = term if total is None else total + term
+        return Cast(x.dtype, total)
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS["GridSample"] = _grid_sample
