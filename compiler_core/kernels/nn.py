@@ -350,3 +350,35 @@ def _conv_transpose(ctx: KernelContext, node: Node):
 
 
 KERNELS["ConvTranspose"] = _conv_transpose
+
+
+def _einsum(ctx: KernelContext, node: Node):
+    """Any explicit or implicit einsum without ellipses: output letters are loops, the others
+    are summed."""
+    equation = node.attr("equation").replace(" ", "")
+    if "..." in equation:
+        raise KernelError(f"node {node.name!r}: einsum with '...' has no native kernel")
+    lhs, _, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    operands = [ctx.tensor(v) for v in node.inputs]
+    sizes: dict[str, int] = {}
+    for term, t in zip(terms, operands, strict=True):
+        sizes.update(zip(term, t.shape, strict=True))
+    if not _:
+        rhs = "".join(sorted(ch for ch in sizes if lhs.count(ch) == 1))
+    out = ctx.type(node.outputs[0])
+    summed = [ch for ch in sizes if ch not in rhs]
+    axes = {ch: reduce_axis(sizes[ch], f"r{ch}") for ch in summed}
+
+    def body(*i):
+        letter = dict(zip(rhs, i, strict=True)) | axes
+        product = None
+        for term, t in zip(terms, operands, strict=True):
+            value = t[tuple(letter[ch] for ch in term)]
+            product = value if product is None else product * value
+        return reduce_sum(product, list(axes.values())) if axes else product
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS["Einsum"] = _einsum

@@ -7,7 +7,7 @@ import math
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.base import Builder, KernelContext
-from compiler_core.loop.ir import INDEX, Cast, Const, Expr, Select, Unary
+from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import (
     compute,
     reduce_axis,
@@ -359,3 +359,44 @@ KERNELS.update(
         "LpNormalization": _lp_normalization,
     }
 )
+
+
+def _top_k(ctx: KernelContext, node: Node):
+    """Rank every element along the axis (how many come before it in the sorted order, ties
+    to the lower index), then pick the element of each rank."""
+    x = ctx.tensor(node.inputs[0])
+    rank_axes = len(x.shape)
+    axis = node.attr("axis", -1) % rank_axes
+    length = x.shape[axis]
+    k_out = node.attr("k")
+    largest = node.attr("largest", 1)
+    other = reduce_axis(length, "ro")
+
+    def along(i, j):
+        return tuple(j if d == axis else i[d] for d in range(rank_axes))
+
+    def rank_of(*i):
+        mine, theirs = x[i], x[along(i, other)]
+        better = theirs > mine if largest else theirs < mine
+        tie = logical_and(theirs.equals(mine), other < i[axis])
+        before = Binary("or", better, tie)
+        return reduce_sum(Select(before, Const(1, INDEX), Const(0, INDEX)), other)
+
+    ranks = compute(x.shape, rank_of, ctx.stage_name(node), "int64")
+    out_shape = tuple(k_out if d == axis else s for d, s in enumerate(x.shape))
+
+    def pick(value_of, dtype):
+        r = reduce_axis(length, "rp")
+
+        def body(*i):
+            hit = ranks[along(i, r)].equals(i[axis])
+            return reduce_sum(Select(hit, value_of(i, r), Const(0, dtype)), r)
+
+        return compute(out_shape, body, ctx.stage_name(node), dtype)
+
+    values = pick(lambda i, r: x[along(i, r)], x.dtype)
+    indices = pick(lambda i, r: Cast(INDEX, r), "int64")
+    return [t for t, value in zip((values, indices), node.outputs, strict=False) if value]
+
+
+KERNELS["TopK"] = _top_k
