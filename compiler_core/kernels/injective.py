@@ -11,7 +11,7 @@ from compiler_core.graph.ops.image import axis_weights
 from compiler_core.graph.ops.tensor import slice_objects
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
-from compiler_core.te import compute, reduce_axis, reduce_sum
+from compiler_core.te import compute, reduce_axis, reduce_max, reduce_min, reduce_prod, reduce_sum
 
 
 def clamp(index: Expr, size: int) -> Expr:
@@ -407,3 +407,101 @@ def _grid_sample(ctx: KernelContext, node: Node):
 
 
 KERNELS["GridSample"] = _grid_sample
+
+
+def _center_crop_pad(ctx: KernelContext, node: Node):
+    x = ctx.tensor(node.inputs[0])
+    out = ctx.type(node.outputs[0])
+    shifts, padded = {}, set()
+    for axis, size in zip(node.attr("axes"), node.attr("shape"), strict=True):
+        current = x.shape[axis]
+        # Cropping starts (current - size) // 2 in; padding puts (size - current) // 2 before.
+        shifts[axis] = (current - size) // 2 if size < current else -((size - current) // 2)
+        if size > current:
+            padded.add(axis)
+
+    def body(*i):
+        source, ok = [], None
+        for d, v in enumerate(i):
+            s = v + Const(shifts.get(d, 0), INDEX)
+            if d in padded:
+                inside = logical_and(s >= Const(0, INDEX), s < Const(x.shape[d], INDEX))
+                ok = inside if ok is None else logical_and(ok, inside)
+            source.append(clamp(s, x.shape[d]))
+        value = x[tuple(source)]
+        return value if ok is None else Select(ok, value, Const(0, x.dtype))
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+_SCATTER_COMBINE = {
+    "add": (reduce_sum, 0, lambda a, b: a + b),
+    "mul": (reduce_prod, 1, lambda a, b: a * b),
+    "max": (reduce_max, None, lambda a, b: Binary("max", a, b)),
+    "min": (reduce_min, None, lambda a, b: Binary("min", a, b)),
+}
+
+
+def _scatter_elements(ctx: KernelContext, node: Node):
+    """Each output element gathers the updates aimed at it: the last one (reduction none) or
+    all of them, combined."""
+    data, indices, updates = (ctx.tensor(v) for v in node.inputs)
+    out = ctx.type(node.outputs[0])
+    rank = len(data.shape)
+    axis = node.attr("axis", 0) % rank
+    r = reduce_axis(indices.shape[axis], "rs")
+    reduction = node.attr("reduction", "none")
+
+    def where(i):
+        position = tuple(r if d == axis else clamp(i[d], indices.shape[d]) for d in range(rank))
+        target = Cast(INDEX, indices[position])
+        target = Select(target < Const(0, INDEX), target + Const(data.shape[axis], INDEX), target)
+        ok = target.equals(i[axis])
+        for d in range(rank):
+            if d != axis and indices.shape[d] < data.shape[d]:
+                ok = logical_and(ok, i[d] < Const(indices.shape[d], INDEX))
+        return position, ok
+
+    if reduction == "none":
+
+        def last(*i):
+            _, ok = where(i)
+            return reduce_max(Select(ok, Cast(INDEX, r), Const(-1, INDEX)), r)
+
+        found = compute(out.shape, last, ctx.stage_name(node), "int64")
+
+        def body(*i):
+            hit = found[i]
+            position = tuple(
+                clamp(hit, indices.shape[axis]) if d == axis else clamp(i[d], indices.shape[d])
+                for d in range(rank)
+            )
+            return Select(hit >= Const(0, INDEX), updates[position], data[i])
+
+        return [compute(out.shape, body, ctx.stage_name(node))]
+    combiner, identity, merge = _SCATTER_COMBINE[reduction]
+    info = np.finfo(data.dtype) if np.dtype(data.dtype).kind == "f" else np.iinfo(data.dtype)
+    if identity is None:
+        identity = info.min if reduction == "max" else info.max
+
+    def gathered(*i):
+        position, ok = where(i)
+        return combiner(Select(ok, updates[position], Const(identity, data.dtype)), r)
+
+    combined = compute(out.shape, gathered, ctx.stage_name(node))
+
+    def count(*i):
+        _, ok = where(i)
+        return reduce_sum(Select(ok, Const(1, INDEX), Const(0, INDEX)), r)
+
+    hits = compute(out.shape, count, ctx.stage_name(node), "int64")
+    return [
+        compute(
+            out.shape,
+            lambda *i: Select(hits[i] > Const(0, INDEX), merge(data[i], combined[i]), data[i]),
+            ctx.stage_name(node),
+        )
+    ]
+
+
+KERNELS.update({"CenterCropPad": _center_crop_pad, "ScatterElements": _scatter_elements})
