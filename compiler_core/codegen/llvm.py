@@ -82,8 +82,20 @@ LLVM_INTRINSICS = {
     "cos": "llvm.cos",
 }
 LIBM = {
-    "tanh": {"float32": "tanhf", "float64": "tanh"},
-    "erf": {"float32": "erff", "float64": "erf"},
+    name: {"float32": f"{name}f", "float64": name}
+    for name in (
+        "tanh",
+        "erf",
+        "tan",
+        "asin",
+        "acos",
+        "atan",
+        "sinh",
+        "cosh",
+        "asinh",
+        "acosh",
+        "atanh",
+    )
 }
 
 
@@ -518,6 +530,11 @@ class FunctionEmitter:
             return VECTOR_MATH[op](self, b, x)
         if op in LLVM_INTRINSICS:
             return b.call(self._intrinsic(LLVM_INTRINSICS[op], x.type), [x], fastmath=FAST_MATH)
+        if op == "sign":
+            zero = self._splat_const(x.type, 0.0)
+            positive = b.uitofp(b.fcmp_ordered(">", x, zero), x.type)
+            negative = b.uitofp(b.fcmp_ordered("<", x, zero), x.type)
+            return b.fsub(positive, negative)
         if op == "rsqrt":
             root = b.call(self._intrinsic("llvm.sqrt", x.type), [x])
             return b.fdiv(ir.Constant(x.type, 1.0), root, flags=FAST_MATH)

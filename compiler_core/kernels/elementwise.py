@@ -90,6 +90,32 @@ UNARY = {
     ),
     "ThresholdedRelu": lambda n, x: Select(x > _const(n.attr("alpha", 1.0), x), x, _const(0.0, x)),
     "Mish": lambda n, x: x * Unary("tanh", Unary("log", _const(1.0, x) + Unary("exp", x))),
+    "Sign": lambda n, x: Unary("sign", x),
+    "Selu": lambda n, x: (
+        _const(n.attr("gamma", 1.0507009873554805), x)
+        * Select(
+            x > _const(0.0, x),
+            x,
+            _const(n.attr("alpha", 1.6732632423543772), x) * (Unary("exp", x) - _const(1.0, x)),
+        )
+    ),
+    "Shrink": lambda n, x: Select(
+        x < _const(-n.attr("lambd", 0.5), x),
+        x + _const(n.attr("bias", 0.0), x),
+        Select(
+            x > _const(n.attr("lambd", 0.5), x), x - _const(n.attr("bias", 0.0), x), _const(0.0, x)
+        ),
+    ),
+    "Swish": lambda n, x: x * Unary("sigmoid", x * _const(n.attr("alpha", 1.0), x)),
+    "Tan": lambda n, x: Unary("tan", x),
+    "Asin": lambda n, x: Unary("asin", x),
+    "Acos": lambda n, x: Unary("acos", x),
+    "Atan": lambda n, x: Unary("atan", x),
+    "Sinh": lambda n, x: Unary("sinh", x),
+    "Cosh": lambda n, x: Unary("cosh", x),
+    "Asinh": lambda n, x: Unary("asinh", x),
+    "Acosh": lambda n, x: Unary("acosh", x),
+    "Atanh": lambda n, x: Unary("atanh", x),
 }
 
 

@@ -84,6 +84,16 @@ def _unary(op: str, dtype: str) -> Callable:
         "round": lambda a: t(np.round(a)),
         "sin": lambda a: t(np.sin(a)),
         "cos": lambda a: t(np.cos(a)),
+        "sign": lambda a: t(np.sign(a)),
+        "tan": lambda a: t(np.tan(a)),
+        "asin": lambda a: t(np.arcsin(a)),
+        "acos": lambda a: t(np.arccos(a)),
+        "atan": lambda a: t(np.arctan(a)),
+        "sinh": lambda a: t(np.sinh(a)),
+        "cosh": lambda a: t(np.cosh(a)),
+        "asinh": lambda a: t(np.arcsinh(a)),
+        "acosh": lambda a: t(np.arccosh(a)),
+        "atanh": lambda a: t(np.arctanh(a)),
     }
     return table[op]
 

@@ -170,6 +170,16 @@ class Binary(Expr):
 
 # Math intrinsics the code generators map to LLVM intrinsics or libm calls.
 UNARY_OPS = (
+    "sign",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "asinh",
+    "acosh",
+    "atanh",
     "neg",
     "not",
     "abs",
