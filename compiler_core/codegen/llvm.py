@@ -474,6 +474,16 @@ class FunctionEmitter:
                 return b.or_(x, y)
             if op in ("floordiv", "mod"):
                 return self._floor_divmod(b, op, x, y)
+            if op == "pow":  # integer powers through double: exact for the values that fit
+                wide = (
+                    ir.DoubleType()
+                    if not isinstance(x.type, ir.VectorType)
+                    else ir.VectorType(ir.DoubleType(), x.type.count)
+                )
+                base = b.uitofp(x, wide) if dtype in UNSIGNED else b.sitofp(x, wide)
+                exponent = b.sitofp(y, wide)
+                fn = self._declare(f"llvm.pow.{_suffix(wide)}", wide, [wide, wide])
+                return b.fptosi(b.call(fn, [base, exponent]), x.type)
             if op in ("min", "max"):
                 pick = compare_ints(dtype, "<" if op == "min" else ">", x, y)
                 return b.select(pick, x, y)

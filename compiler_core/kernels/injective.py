@@ -179,11 +179,66 @@ def _tile(ctx: KernelContext, node: Node):
     ]
 
 
+def _pad_indexed(ctx, node, x, out, mode):
+    """edge / reflect / wrap padding: every output position reads some input position."""
+    pads = node.attr("pads")
+
+    def source(v, k):
+        size = x.shape[k]
+        s = v - Const(pads[k], INDEX)
+        if mode == "edge":
+            return clamp(s, size)
+        if mode == "wrap":
+            return Binary("mod", s, Const(size, INDEX))
+        # reflect: mirror without repeating the edge, period 2 * (size - 1)
+        if size == 1:
+            return Const(0, INDEX)
+        period = Const(2 * (size - 1), INDEX)
+        m = Binary("mod", s, period)
+        return Select(m < Const(size, INDEX), m, period - m)
+
+    return compute(
+        out.shape, lambda *i: x[tuple(source(v, k) for k, v in enumerate(i))], ctx.stage_name(node)
+    )
+
+
+def _gather_elements(ctx: KernelContext, node: Node):
+    data, indices = ctx.tensor(node.inputs[0]), ctx.tensor(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    axis = node.attr("axis", 0) % len(data.shape)
+
+    def body(*i):
+        raw = Cast(INDEX, indices[i])
+        size = data.shape[axis]
+        wrapped = Select(raw < Const(0, INDEX), raw + Const(size, INDEX), raw)
+        return data[tuple(clamp(wrapped, size) if d == axis else v for d, v in enumerate(i))]
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+def _reverse_sequence(ctx: KernelContext, node: Node):
+    x, lengths = ctx.tensor(node.inputs[0]), ctx.tensor(node.inputs[1])
+    batch_axis, time_axis = node.attr("batch_axis", 1), node.attr("time_axis", 0)
+
+    def body(*i):
+        length = Cast(INDEX, lengths[(i[batch_axis],)])
+        t = i[time_axis]
+        flipped = Select(t < length, length - Const(1, INDEX) - t, t)
+        return x[
+            tuple(
+                clamp(flipped, x.shape[time_axis]) if d == time_axis else v for d, v in enumerate(i)
+            )
+        ]
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
 def _pad(ctx: KernelContext, node: Node):
     out = ctx.type(node.outputs[0])
     x = ctx.tensor(node.inputs[0])
-    if node.attr("mode", "constant") != "constant":
-        raise KernelError(f"node {node.name!r}: Pad mode {node.attr('mode')!r} has no kernel")
+    mode = node.attr("mode", "constant")
+    if mode != "constant":
+        return [_pad_indexed(ctx, node, x, out, mode)]
     pads = node.attr("pads")
     rank = len(x.shape)
     fill = Const(node.attr("value", 0), x.dtype)
@@ -504,4 +559,11 @@ def _scatter_elements(ctx: KernelContext, node: Node):
     ]
 
 
-KERNELS.update({"CenterCropPad": _center_crop_pad, "ScatterElements": _scatter_elements})
+KERNELS.update(
+    {
+        "CenterCropPad": _center_crop_pad,
+        "ScatterElements": _scatter_elements,
+        "GatherElements": _gather_elements,
+        "ReverseSequence": _reverse_sequence,
+    }
+)
