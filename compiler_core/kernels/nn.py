@@ -14,7 +14,7 @@ from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
-from compiler_core.loop.ir import INDEX, Binary, Const, Select, Unary, logical_and
+from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_sum
 
 CHANNEL_BLOCK = 16  # output channels per vector (16 x float32 = one zmm register)
@@ -131,7 +131,7 @@ def _matmul(ctx: KernelContext, node: Node):
     a_type, b_type = ctx.type(node.inputs[0]), ctx.type(node.inputs[1])
     out = ctx.type(node.outputs[0])
     if a_type.rank < 2 or b_type.rank < 2:
-        raise KernelError(f"node {node.name!r}: MatMul of vectors has no kernel yet")
+        return [_matmul_vectors(ctx, node)]
     a = ctx.tensor(node.inputs[0])
     k_dim = a_type.shape[-1]
     kk = reduce_axis(k_dim, "rk")
@@ -155,6 +155,68 @@ def _matmul(ctx: KernelContext, node: Node):
     product = compute(out.shape, body, ctx.stage_name(node), out.dtype)
     ctx.note(product.name, panel=width)
     return [product]
+
+
+def _matmul_vectors(ctx: KernelContext, node: Node):
+    """MatMul where an operand is 1-D (numpy's rules: it gains, then loses, a unit axis)."""
+    a, b = ctx.tensor(node.inputs[0]), ctx.tensor(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    kk = reduce_axis(a.shape[-1], "rk")
+    a_vec, b_vec = len(a.shape) == 1, len(b.shape) == 1
+    batch_rank = out.rank - (0 if a_vec else 1) - (0 if b_vec else 1)
+
+    def body(*index):
+        batch = index[:batch_rank]
+        rest = list(index[batch_rank:])
+        i = None if a_vec else rest.pop(0)
+        j = None if b_vec else rest.pop(0)
+        a_index = (
+            (kk,)
+            if a_vec
+            else (broadcast_index(a.shape[:-2], out.shape[:batch_rank], batch) + (i, kk))
+        )
+        b_index = (
+            (kk,)
+            if b_vec
+            else (broadcast_index(b.shape[:-2], out.shape[:batch_rank], batch) + (kk, j))
+        )
+        return reduce_sum(a[a_index] * b[b_index], kk)
+
+    return compute(out.shape, body, ctx.stage_name(node), out.dtype)
+
+
+def _qlinear_matmul(ctx: KernelContext, node: Node):
+    """(a - a_zero) (b - b_zero) a_scale b_scale / y_scale + y_zero, rounded and saturated."""
+    a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero = (ctx.tensor(v) for v in node.inputs)
+    out = ctx.type(node.outputs[0])
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        raise KernelError(f"node {node.name!r}: batched QLinearMatMul has no native kernel")
+    kk = reduce_axis(a.shape[1], "rk")
+    f = "float32"
+
+    def per_column(t, j):
+        return t[(j,)] if t.shape and t.shape[0] > 1 else t[tuple(Const(0, INDEX) for _ in t.shape)]
+
+    def scalar(t):
+        return t[tuple(Const(0, INDEX) for _ in t.shape)]
+
+    def product(i, j):
+        left = Cast(f, a[(i, kk)]) - Cast(f, scalar(a_zero))
+        right = Cast(f, b[(kk, j)]) - Cast(f, per_column(b_zero, j))
+        return reduce_sum(left * right, kk)
+
+    acc = compute(out.shape, product, ctx.stage_name(node), f)
+    info = np.iinfo(out.dtype)
+
+    def requantize(i, j):
+        scale = (
+            Cast(f, scalar(a_scale)) * Cast(f, per_column(b_scale, j)) / Cast(f, scalar(y_scale))
+        )
+        value = Unary("round", acc[(i, j)] * scale) + Cast(f, scalar(y_zero))
+        low, high = Const(float(info.min), f), Const(float(info.max), f)
+        return Cast(out.dtype, Binary("min", Binary("max", value, low), high))
+
+    return compute(out.shape, requantize, ctx.stage_name(node), out.dtype)
 
 
 def _gemm(ctx: KernelContext, node: Node):
@@ -382,3 +444,4 @@ def _einsum(ctx: KernelContext, node: Node):
 
 
 KERNELS["Einsum"] = _einsum
+KERNELS["QLinearMatMul"] = lambda ctx, node: [_qlinear_matmul(ctx, node)]

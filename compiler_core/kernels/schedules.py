@@ -194,7 +194,7 @@ def default_schedule(stages: list[StageInfo]) -> list[Record]:
             depthwise = layout == "depthwise"
             records += conv_schedule(anchor, epilogue, depthwise, anchor.note("block"))
             handled.add(anchor.name)
-        elif anchor.op in ("MatMul", "Gemm"):
+        elif anchor.op in ("MatMul", "Gemm") and len(anchor.shape) >= 2:
             records += matmul_schedule(anchor, epilogue, anchor.note("panel") or 32)
             handled.add(anchor.name)
         if epilogue is not None and anchor.name in handled:
