@@ -567,3 +567,77 @@ KERNELS.update(
         "ReverseSequence": _reverse_sequence,
     }
 )
+
+
+def _scatter_nd(ctx: KernelContext, node: Node):
+    """Each output element takes the last update aimed at it (reduction none), or combines
+    every update aimed at it."""
+    data, indices, updates = (ctx.tensor(v) for v in node.inputs)
+    out = ctx.type(node.outputs[0])
+    depth = indices.shape[-1]
+    lead = indices.shape[:-1]
+    qs = [reduce_axis(d, f"rq{k}") for k, d in enumerate(lead)]
+    reduction = node.attr("reduction", "none")
+
+    def matches(i):
+        ok = None
+        for d in range(depth):
+            raw = Cast(INDEX, indices[(*qs, Const(d, INDEX))])
+            wrapped = Select(raw < Const(0, INDEX), raw + Const(data.shape[d], INDEX), raw)
+            cond = wrapped.equals(i[d])
+            ok = cond if ok is None else logical_and(ok, cond)
+        return ok
+
+    def flat_q():
+        flat = Const(0, INDEX)
+        for q, size in zip(qs, lead, strict=True):
+            flat = flat * Const(size, INDEX) + q
+        return flat
+
+    def update_at(q_flat, i):
+        coords, rest = [], q_flat
+        for size in reversed(lead):
+            coords.insert(0, clamp(Binary("mod", rest, Const(size, INDEX)), size))
+            rest = Binary("floordiv", rest, Const(size, INDEX))
+        return updates[(*coords, *i[depth:])]
+
+    if reduction == "none":
+        found = compute(
+            out.shape,
+            lambda *i: reduce_max(Select(matches(i), flat_q(), Const(-1, INDEX)), qs),
+            ctx.stage_name(node),
+            "int64",
+        )
+        return [
+            compute(
+                out.shape,
+                lambda *i: Select(found[i] >= Const(0, INDEX), update_at(found[i], i), data[i]),
+                ctx.stage_name(node),
+            )
+        ]
+    combiner, identity, merge = _SCATTER_COMBINE[reduction]
+    if identity is None:
+        info = np.finfo(data.dtype) if np.dtype(data.dtype).kind == "f" else np.iinfo(data.dtype)
+        identity = info.min if reduction == "max" else info.max
+
+    def gathered(*i):
+        value = updates[(*qs, *i[depth:])]
+        return combiner(Select(matches(i), value, Const(identity, data.dtype)), qs)
+
+    combined = compute(out.shape, gathered, ctx.stage_name(node))
+    hits = compute(
+        out.shape,
+        lambda *i: reduce_sum(Select(matches(i), Const(1, INDEX), Const(0, INDEX)), qs),
+        ctx.stage_name(node),
+        "int64",
+    )
+    return [
+        compute(
+            out.shape,
+            lambda *i: Select(hits[i] > Const(0, INDEX), merge(data[i], combined[i]), data[i]),
+            ctx.stage_name(node),
+        )
+    ]
+
+
+KERNELS["ScatterND"] = _scatter_nd

@@ -400,3 +400,30 @@ def _top_k(ctx: KernelContext, node: Node):
 
 
 KERNELS["TopK"] = _top_k
+
+
+def _instance_norm(ctx: KernelContext, node: Node):
+    """Per (batch, channel): normalize over the spatial axes, then scale and shift."""
+    x, scale, bias = (ctx.tensor(v) for v in node.inputs)
+    spatial = x.shape[2:]
+    inverse_count = Const(1.0 / math.prod(spatial), x.dtype)
+    ks = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
+    total = compute(x.shape[:2], lambda n, c: reduce_sum(x[(n, c, *ks)], ks), ctx.stage_name(node))
+    ks2 = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
+
+    def centered_square(n, c):
+        d = x[(n, c, *ks2)] - total[(n, c)] * inverse_count
+        return reduce_sum(d * d, ks2)
+
+    squares = compute(x.shape[:2], centered_square, ctx.stage_name(node))
+    eps = Const(node.attr("epsilon", 1e-5), x.dtype)
+
+    def body(n, c, *s):
+        mean = total[(n, c)] * inverse_count
+        std = Unary("sqrt", squares[(n, c)] * inverse_count + eps)
+        return (x[(n, c, *s)] - mean) / std * scale[(c,)] + bias[(c,)]
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
+KERNELS["InstanceNormalization"] = _instance_norm
