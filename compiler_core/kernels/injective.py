@@ -641,3 +641,26 @@ def _scatter_nd(ctx: KernelContext, node: Node):
 
 
 KERNELS["ScatterND"] = _scatter_nd
+
+
+def _gather_nd(ctx: KernelContext, node: Node):
+    data, indices = ctx.tensor(node.inputs[0]), ctx.tensor(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    batch = node.attr("batch_dims", 0)
+    depth = indices.shape[-1]
+    lead = len(indices.shape) - 1
+
+    def body(*i):
+        prefix = i[:lead]
+        coords = []
+        for d in range(depth):
+            size = data.shape[batch + d]
+            raw = Cast(INDEX, indices[(*prefix, Const(d, INDEX))])
+            wrapped = Select(raw < Const(0, INDEX), raw + Const(size, INDEX), raw)
+            coords.append(clamp(wrapped, size))
+        return data[(*i[:batch], *coords, *i[lead:])]
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+KERNELS["GatherND"] = _gather_nd

@@ -189,10 +189,11 @@ def _qlinear_matmul(ctx: KernelContext, node: Node):
     """(a - a_zero) (b - b_zero) a_scale b_scale / y_scale + y_zero, rounded and saturated."""
     a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero = (ctx.tensor(v) for v in node.inputs)
     out = ctx.type(node.outputs[0])
-    if len(a.shape) != 2 or len(b.shape) != 2:
-        raise KernelError(f"node {node.name!r}: batched QLinearMatMul has no native kernel")
-    kk = reduce_axis(a.shape[1], "rk")
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        raise KernelError(f"node {node.name!r}: QLinearMatMul of vectors has no native kernel")
+    kk = reduce_axis(a.shape[-1], "rk")
     f = "float32"
+    batch_shape = out.shape[:-2]
 
     def per_column(t, j):
         return t[(j,)] if t.shape and t.shape[0] > 1 else t[tuple(Const(0, INDEX) for _ in t.shape)]
@@ -200,19 +201,23 @@ def _qlinear_matmul(ctx: KernelContext, node: Node):
     def scalar(t):
         return t[tuple(Const(0, INDEX) for _ in t.shape)]
 
-    def product(i, j):
-        left = Cast(f, a[(i, kk)]) - Cast(f, scalar(a_zero))
-        right = Cast(f, b[(kk, j)]) - Cast(f, per_column(b_zero, j))
+    def product(*index):
+        batch, i, j = index[:-2], index[-2], index[-1]
+        a_at = a[broadcast_index(a.shape[:-2], batch_shape, batch) + (i, kk)]
+        b_at = b[broadcast_index(b.shape[:-2], batch_shape, batch) + (kk, j)]
+        left = Cast(f, a_at) - Cast(f, scalar(a_zero))
+        right = Cast(f, b_at) - Cast(f, per_column(b_zero, j))
         return reduce_sum(left * right, kk)
 
     acc = compute(out.shape, product, ctx.stage_name(node), f)
     info = np.iinfo(out.dtype)
 
-    def requantize(i, j):
+    def requantize(*index):
+        j = index[-1]
         scale = (
             Cast(f, scalar(a_scale)) * Cast(f, per_column(b_scale, j)) / Cast(f, scalar(y_scale))
         )
-        value = Unary("round", acc[(i, j)] * scale) + Cast(f, scalar(y_zero))
+        value = Unary("round", acc[index] * scale) + Cast(f, scalar(y_zero))
         low, high = Const(float(info.min), f), Const(float(info.max), f)
         return Cast(out.dtype, Binary("min", Binary("max", value, low), high))
 
@@ -445,3 +450,35 @@ def _einsum(ctx: KernelContext, node: Node):
 
 KERNELS["Einsum"] = _einsum
 KERNELS["QLinearMatMul"] = lambda ctx, node: [_qlinear_matmul(ctx, node)]
+
+
+def _matmul_integer(ctx: KernelContext, node: Node):
+    """int32 sum of (a - a_zero) (b - b_zero); zero points per tensor, per row of a or per
+    column of b."""
+    a, b = ctx.tensor(node.inputs[0]), ctx.tensor(node.inputs[1])
+    a_zero = ctx.tensor(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+    b_zero = ctx.tensor(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
+    out = ctx.type(node.outputs[0])
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        raise KernelError(f"node {node.name!r}: MatMulInteger of vectors has no native kernel")
+    kk = reduce_axis(a.shape[-1], "rk")
+    batch_shape = out.shape[:-2]
+
+    def zero_at(t, position):
+        if t is None:
+            return Const(0, "int32")
+        index = (
+            (position,) if t.shape and t.shape[0] > 1 else tuple(Const(0, INDEX) for _ in t.shape)
+        )
+        return Cast("int32", t[index])
+
+    def body(*index):
+        batch, i, j = index[:-2], index[-2], index[-1]
+        a_at = Cast("int32", a[broadcast_index(a.shape[:-2], batch_shape, batch) + (i, kk)])
+        b_at = Cast("int32", b[broadcast_index(b.shape[:-2], batch_shape, batch) + (kk, j)])
+        return reduce_sum((a_at - zero_at(a_zero, i)) * (b_at - zero_at(b_zero, j)), kk)
+
+    return [compute(out.shape, body, ctx.stage_name(node), "int32")]
+
+
+KERNELS["MatMulInteger"] = _matmul_integer
