@@ -427,3 +427,45 @@ def _instance_norm(ctx: KernelContext, node: Node):
 
 
 KERNELS["InstanceNormalization"] = _instance_norm
+
+
+def _group_norm(ctx: KernelContext, node: Node):
+    x, scale, bias = (ctx.tensor(v) for v in node.inputs)
+    groups = node.attr("num_groups")
+    n, channels = x.shape[:2]
+    spatial = x.shape[2:]
+    per_group = channels // groups
+    inverse_count = Const(1.0 / (per_group * math.prod(spatial)), x.dtype)
+    eps = Const(node.attr("epsilon", 1e-5), x.dtype)
+
+    def member(g, rc, rs):
+        return x[(g[0], g[1] * Const(per_group, INDEX) + rc, *rs)]
+
+    rc = reduce_axis(per_group, "rc")
+    rs = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
+    total = compute(
+        (n, groups),
+        lambda b, g: reduce_sum(member((b, g), rc, rs), [rc, *rs]),
+        ctx.stage_name(node),
+    )
+    rc2 = reduce_axis(per_group, "rc")
+    rs2 = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
+
+    def squares(b, g):
+        d = member((b, g), rc2, rs2) - total[(b, g)] * inverse_count
+        return reduce_sum(d * d, [rc2, *rs2])
+
+    spread = compute((n, groups), squares, ctx.stage_name(node))
+    by_group = scale.shape[0] != channels  # opset 18: one scale and bias per group
+
+    def body(b, c, *s):
+        g = Binary("floordiv", c, Const(per_group, INDEX))
+        mean = total[(b, g)] * inverse_count
+        std = Unary("sqrt", spread[(b, g)] * inverse_count + eps)
+        k = (g,) if by_group else (c,)
+        return (x[(b, c, *s)] - mean) / std * scale[k] + bias[k]
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
+KERNELS["GroupNormalization"] = _group_norm
