@@ -1,9 +1,14 @@
-"""ConvTranspose (canonical attributes: pads, strides, dilations, group, output_padding,
-and the resolved spatial output shape)."""
+"""ConvTranspose and DeformConv: the convolutions that are not plain Conv.
+
+ConvTranspose's canonical attributes are pads, strides, dilations, group, output_padding and
+output_shape (the resolved spatial output size; it decides the output type). DeformConv's are
+pads, strides, dilations, group and offset_group; its kernel size comes from the weight.
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -11,56 +16,191 @@ from compiler_core.graph.ir import OpKind, TensorType
 from compiler_core.graph.ops.base import OpDef, ShapeError, opdef
 
 
-def _rule(node, types):
+def _accumulation_dtype(dtype) -> np.dtype:
+    """float32 at least, so half-precision inputs do not lose the sum."""
+    return np.result_type(dtype, np.float32)
+
+
+def _bias_shape(nsp: int) -> tuple[int, ...]:
+    return (1, -1) + (1,) * nsp
+
+
+# --- ConvTranspose ---------------------------------------------------------------------------
+
+
+def _conv_transpose_rule(node, types):
     x, w = types[0], types[1]
     group = node.attr("group", 1)
-    if x.shape[1] != w.shape[0]:
-        raise ShapeError(f"weight {w} does not fit input {x}")
-    out = (x.shape[0], w.shape[1] * group, *node.attr("output_shape"))
-    return [TensorType(out, x.dtype)]
+    if x.rank < 3 or w.rank != x.rank:
+        raise ShapeError(f"input {x} and weight {w} must have the same rank, at least 3")
+    if x.shape[1] != w.shape[0] or x.shape[1] % group:
+        raise ShapeError(f"weight {w} does not fit input {x} with group {group}")
+    out_spatial = tuple(node.attr("output_shape"))
+    if len(out_spatial) != x.rank - 2:
+        raise ShapeError(f"output_shape {out_spatial} does not match input {x}")
+    return [TensorType((x.shape[0], w.shape[1] * group, *out_spatial), x.dtype)]
 
 
 def _conv_transpose(node, inputs):
+    """Each input pixel scatters its channel mix times the kernel into the output.
+
+    One batched matmul mixes channels for every kernel offset at once; each offset's slab is
+    then added into the output canvas at a strided position. The canvas is the unpadded
+    output; pads crop it (negative pads, from an oversized output_shape, add zero margin).
+    """
     x, w = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     nsp = x.ndim - 2
     strides, dilations = node.attr("strides"), node.attr("dilations")
     pads, group = node.attr("pads"), node.attr("group", 1)
     out_spatial = node.attr("output_shape")
-    kernel = w.shape[2:]
+    kernel, in_spatial = w.shape[2:], x.shape[2:]
     n, channels = x.shape[:2]
     cg, mg = channels // group, w.shape[1]
-    # Every input position scatters a kernel-sized patch: accumulate on the full canvas, then
-    # crop the padding away. Extra room covers output_padding at the end.
-    full = [
-        max(
-            strides[i] * (x.shape[2 + i] - 1) + (kernel[i] - 1) * dilations[i] + 1,
-            pads[i] + out_spatial[i],
-        )
-        for i in range(nsp)
+    acc = _accumulation_dtype(x.dtype)
+
+    # The canvas starts at -max(0, -pad_begin) in unpadded coordinates and covers the output.
+    margin = [max(0, -pads[i]) for i in range(nsp)]
+    natural = [
+        strides[i] * (in_spatial[i] - 1) + (kernel[i] - 1) * dilations[i] + 1 for i in range(nsp)
     ]
-    canvas = np.zeros((n, mg * group, *full), np.float64)
-    for g in range(group):
-        xg = x[:, g * cg : (g + 1) * cg].astype(np.float64)
-        for offset in itertools.product(*[range(k) for k in kernel]):
-            wg = w[(slice(g * cg, (g + 1) * cg), slice(None), *offset)].astype(np.float64)
-            patch = np.einsum("nc...,cm->nm...", xg, wg)
-            index = tuple(
-                slice(
-                    offset[i] * dilations[i],
-                    offset[i] * dilations[i] + strides[i] * (x.shape[2 + i] - 1) + 1,
-                    strides[i],
-                )
-                for i in range(nsp)
-            )
-            canvas[(slice(None), slice(g * mg, (g + 1) * mg), *index)] += patch
-    crop = tuple(slice(pads[i], pads[i] + out_spatial[i]) for i in range(nsp))
-    out = canvas[(slice(None), slice(None), *crop)]
+    size = [max(natural[i], pads[i] + out_spatial[i]) + margin[i] for i in range(nsp)]
+    canvas = np.zeros((n, group, mg, *size), acc)
+
+    offsets = list(itertools.product(*[range(k) for k in kernel]))
+    # x: (n, group, cg, P); w: (group, K * mg, cg) -> mixed: (n, group, K, mg, *in_spatial)
+    xs = x.reshape(n, group, cg, -1).astype(acc, copy=False)
+    ws = w.reshape(group, cg, mg, -1).transpose(0, 3, 2, 1).reshape(group, -1, cg).astype(acc)
+    mixed = np.matmul(ws[None], xs).reshape(n, group, len(offsets), mg, *in_spatial)
+    for index, offset in enumerate(offsets):
+        start = [margin[i] + offset[i] * dilations[i] for i in range(nsp)]
+        window = tuple(
+            slice(start[i], start[i] + strides[i] * (in_spatial[i] - 1) + 1, strides[i])
+            for i in range(nsp)
+        )
+        canvas[(slice(None), slice(None), slice(None), *window)] += mixed[:, :, index]
+
+    crop = tuple(
+        slice(margin[i] + pads[i], margin[i] + pads[i] + out_spatial[i]) for i in range(nsp)
+    )
+    out = canvas[(slice(None), slice(None), slice(None), *crop)]
+    out = out.reshape(n, group * mg, *out_spatial)
     if bias is not None:
-        out = out + bias.reshape((1, -1) + (1,) * nsp)
-    return [np.ascontiguousarray(out).astype(x.dtype)]
+        out = out + bias.astype(acc).reshape(_bias_shape(nsp))
+    return [np.ascontiguousarray(out, dtype=x.dtype)]
+
+
+# --- DeformConv ------------------------------------------------------------------------------
+
+
+def _deform_out_spatial(node, in_spatial, kernel) -> tuple[int, ...]:
+    nsp = len(kernel)
+    strides, dilations, pads = node.attr("strides"), node.attr("dilations"), node.attr("pads")
+    return tuple(
+        (in_spatial[i] + pads[i] + pads[i + nsp] - (kernel[i] - 1) * dilations[i] - 1) // strides[i]
+        + 1
+        for i in range(nsp)
+    )
+
+
+def _deform_conv_rule(node, types):
+    x, w, offset = types[0], types[1], types[2]
+    mask = types[4] if len(types) > 4 else None
+    group, offset_group = node.attr("group", 1), node.attr("offset_group", 1)
+    nsp = x.rank - 2
+    kernel = w.shape[2:]
+    if nsp < 1 or w.rank != x.rank:
+        raise ShapeError(f"input {x} and weight {w} must have the same rank, at least 3")
+    if x.shape[1] != w.shape[1] * group or w.shape[0] % group or x.shape[1] % offset_group:
+        raise ShapeError(f"weight {w} does not fit input {x} with group {group}")
+    out_spatial = _deform_out_spatial(node, x.shape[2:], kernel)
+    taps = offset_group * math.prod(kernel)
+    batch = (x.shape[0],)
+    if offset.shape != (*batch, taps * nsp, *out_spatial):
+        raise ShapeError(f"offset {offset} does not match {taps} taps over {out_spatial}")
+    if mask is not None and mask.shape != (*batch, taps, *out_spatial):
+        raise ShapeError(f"mask {mask} does not match {taps} taps over {out_spatial}")
+    return [TensorType((x.shape[0], w.shape[0], *out_spatial), x.dtype)]
+
+
+def _sample(image, positions):
+    """Multilinear interpolation of image (n, c, *spatial) at positions (nsp, n, *out).
+
+    Corners outside the image read zero, which is what the spec's zero padding means.
+    Returns (n, c, *out).
+    """
+    n, c, *spatial = image.shape
+    nsp = len(spatial)
+    flat = image.reshape(n, c, -1)
+    out_shape = positions.shape[2:]
+    base = np.floor(positions)
+    frac = positions - base
+    base = base.astype(np.int64)
+    result = np.zeros((n, c, math.prod(out_shape)), flat.dtype)
+    for corner in itertools.product((0, 1), repeat=nsp):
+        weight = np.ones(positions.shape[1:], flat.dtype)
+        linear = np.zeros(positions.shape[1:], np.int64)
+        inside = np.ones(positions.shape[1:], bool)
+        for d in range(nsp):
+            coord = base[d] + corner[d]
+            weight = weight * (frac[d] if corner[d] else 1 - frac[d])
+            inside &= (coord >= 0) & (coord < spatial[d])
+            linear = linear * spatial[d] + np.clip(coord, 0, spatial[d] - 1)
+        weight = np.where(inside, weight, 0).reshape(n, 1, -1)
+        gathered = np.take_along_axis(flat, linear.reshape(n, 1, -1), axis=2)
+        result += gathered * weight
+    return result.reshape(n, c, *out_shape)
+
+
+def _deform_conv(node, inputs):
+    """Sample every kernel tap at its offset position (im2col with learned offsets), scale by
+    the mask, then contract with the weight group by group."""
+    x, w, offset = inputs[0], inputs[1], inputs[2]
+    bias = inputs[3] if len(inputs) > 3 else None
+    mask = inputs[4] if len(inputs) > 4 else None
+    strides, dilations, pads = node.attr("strides"), node.attr("dilations"), node.attr("pads")
+    group, offset_group = node.attr("group", 1), node.attr("offset_group", 1)
+    acc = _accumulation_dtype(x.dtype)
+    n, channels, *in_spatial = x.shape
+    kernel = w.shape[2:]
+    nsp, taps = len(kernel), math.prod(kernel)
+    out_spatial = _deform_out_spatial(node, in_spatial, kernel)
+    offset = offset.astype(acc).reshape(n, offset_group, taps, nsp, *out_spatial)
+    if mask is None:
+        mask = np.ones((n, offset_group, taps, *out_spatial), acc)
+    mask = mask.astype(acc).reshape(n, offset_group, taps, *out_spatial)
+
+    # Undeformed sampling grid: grid[d][tap, *out] = out * stride - pad + tap * dilation.
+    tap_coords = np.array(list(itertools.product(*[range(k) for k in kernel]))).T
+    grid = []
+    for d in range(nsp):
+        along = np.arange(out_spatial[d]) * strides[d] - pads[d]
+        along = along.reshape([1] + [-1 if i == d else 1 for i in range(nsp)])
+        taps_d = (tap_coords[d] * dilations[d]).reshape([-1] + [1] * nsp)
+        grid.append(along + taps_d)
+
+    cog = channels // offset_group
+    columns = np.empty((n, channels, taps, *out_spatial), acc)
+    for og in range(offset_group):
+        image = x[:, og * cog : (og + 1) * cog].astype(acc)
+        for tap in range(taps):
+            positions = np.stack([grid[d][tap] + offset[:, og, tap, d] for d in range(nsp)])
+            sampled = _sample(image, positions)
+            columns[:, og * cog : (og + 1) * cog, tap] = sampled * mask[:, og, tap][:, None]
+
+    # columns (n, group, cg * taps, P) contracted with w (group, mg, cg * taps).
+    out_channels = w.shape[0]
+    cols = columns.reshape(n, group, -1, math.prod(out_spatial))
+    weights = w.astype(acc).reshape(group, out_channels // group, -1)
+    out = np.matmul(weights[None], cols).reshape(n, out_channels, *out_spatial)
+    if bias is not None:
+        out = out + bias.astype(acc).reshape(_bias_shape(nsp))
+    return [np.ascontiguousarray(out, dtype=x.dtype)]
 
 
 OPS: dict[str, OpDef] = {
-    "ConvTranspose": opdef("ConvTranspose", OpKind.OUT_ELEMWISE_FUSABLE, _rule, _conv_transpose),
+    "ConvTranspose": opdef(
+        "ConvTranspose", OpKind.OUT_ELEMWISE_FUSABLE, _conv_transpose_rule, _conv_transpose
+    ),
+    "DeformConv": opdef("DeformConv", OpKind.OUT_ELEMWISE_FUSABLE, _deform_conv_rule, _deform_conv),
 }
