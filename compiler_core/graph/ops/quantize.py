@@ -6,7 +6,7 @@ import numpy as np
 
 from compiler_core.graph.ir import OpKind, TensorType
 from compiler_core.graph.ops.base import OpDef, evaluated, normalize_axis, opdef
-from compiler_core.graph.ops.nn import _conv
+from compiler_core.graph.ops.nn import _conv, _conv_rule
 
 
 def expand_scale(node, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -108,6 +108,42 @@ def _qlinear_matmul(node, inputs):
     return [_saturate(y, y_zero.dtype.name)]
 
 
+def _per_output_channel(values: np.ndarray, rank: int) -> np.ndarray:
+    """A per-tensor scalar as is; a per-channel vector shaped to broadcast over (N, M, ...)."""
+    if values.size == 1:
+        return values.reshape(())
+    return values.reshape((1, -1) + (1,) * (rank - 2))
+
+
+def _qlinear_conv(node, inputs):
+    x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero = inputs[:8]
+    bias = inputs[8] if len(inputs) > 8 else None
+    x_int = x.astype(np.int64) - x_zero.astype(np.int64)
+    # The weight zero point (like its scale) is per tensor or per output channel (axis 0).
+    w_int = w.astype(np.int64)
+    if w_zero.size > 1:
+        w_int = w_int - w_zero.astype(np.int64).reshape((-1,) + (1,) * (w.ndim - 1))
+    else:
+        w_int = w_int - w_zero.astype(np.int64).reshape(())
+    # Integer products summed in float64 stay exact for any realistic accumulator size.
+    (accumulated,) = _conv(node, [x_int.astype(np.float64), w_int.astype(np.float64)])
+    if bias is not None:
+        accumulated = accumulated + _per_output_channel(bias.astype(np.float64), x.ndim)
+    multiplier = (
+        x_scale.astype(np.float64).reshape(())
+        * _per_output_channel(w_scale.astype(np.float64), x.ndim)
+        / y_scale.astype(np.float64).reshape(())
+    )
+    y = np.rint(accumulated * multiplier) + y_zero.astype(np.float64).reshape(())
+    return [_saturate(y, y_zero.dtype.name)]
+
+
+def _qlinear_conv_rule(node, types):
+    x, w, y_zero = types[0], types[3], types[7]
+    (conv,) = _conv_rule(node, [x, w])
+    return [TensorType(conv.shape, y_zero.dtype)]
+
+
 OPS: dict[str, OpDef] = {
     "QuantizeLinear": opdef("QuantizeLinear", OpKind.BROADCAST, _quantize_rule, _quantize),
     "DequantizeLinear": opdef("DequantizeLinear", OpKind.BROADCAST, _dequantize_rule, _dequantize),
@@ -122,5 +158,8 @@ OPS: dict[str, OpDef] = {
     ),
     "QLinearMatMul": opdef(
         "QLinearMatMul", OpKind.OUT_ELEMWISE_FUSABLE, evaluated(_qlinear_matmul), _qlinear_matmul
+    ),
+    "QLinearConv": opdef(
+        "QLinearConv", OpKind.OUT_ELEMWISE_FUSABLE, _qlinear_conv_rule, _qlinear_conv
     ),
 }
