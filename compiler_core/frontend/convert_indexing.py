@@ -146,6 +146,7 @@ CONVERTERS: dict[str, dict[int, Converter]] = {
     "ReverseSequence": {10: direct(batch_axis=1, time_axis=0)},
     "CenterCropPad": {18: convert_center_crop_pad},
     "BitCast": {26: convert_bit_cast},
+    "TensorScatter": {24: direct(axis=-2, mode="linear")},
     "NonZero": {9: convert_non_zero},
     "Unique": {11: convert_unique},
     "Compress": {9: convert_compress},

@@ -227,3 +227,88 @@ def _grid_sample_rule(node, types):
 
 
 OPS["GridSample"] = opdef("GridSample", OpKind.INJECTIVE, _grid_sample_rule, _grid_sample)
+
+
+# --- RoiAlign ------------------------------------------------------------------------------
+
+
+def _roi_axis_samples(start, length, bins, ratio, size):
+    """Bilinear taps of the sampling points along one axis of one roi.
+
+    Returns (low index, high index, low weight, high weight), each [bins, samples]. A point
+    more than one pixel outside the map contributes nothing (both weights zero); points within
+    that margin are clamped to the edge, as Caffe2 and onnxruntime do.
+    """
+    samples = ratio if ratio > 0 else max(int(np.ceil(length / bins)), 1)
+    step = length / bins
+    offsets = (np.arange(samples) + 0.5) * step / samples
+    y = start + np.arange(bins)[:, None] * step + offsets[None, :]
+    valid = (y >= -1.0) & (y <= size)
+    y = np.maximum(y, 0.0)
+    low = np.minimum(np.floor(y), size - 1).astype(np.int64)
+    high = np.minimum(low + 1, size - 1)
+    y = np.where(low >= size - 1, low, y)
+    frac = y - low
+    return low, high, np.where(valid, 1 - frac, 0.0), np.where(valid, frac, 0.0)
+
+
+def _roi_geometry(node, roi):
+    """(y start, x start, height, width) of a roi on the feature map."""
+    scale = node.attr("spatial_scale", 1.0)
+    half_pixel = node.attr("coordinate_transformation_mode", "half_pixel") == "half_pixel"
+    x1, y1, x2, y2 = (float(v) * scale - (0.5 if half_pixel else 0.0) for v in roi)
+    height, width = y2 - y1, x2 - x1
+    if not half_pixel:  # the legacy mode forces rois to be at least one pixel large
+        height, width = max(height, 1.0), max(width, 1.0)
+    return y1, x1, height, width
+
+
+def _roi_average(image, ys, xs):
+    """Mean over the sampling points: separable, one weight matrix per axis."""
+
+    def weights(low, high, w_low, w_high, size):
+        matrix = np.zeros((low.shape[0], size))
+        rows = np.arange(low.shape[0])[:, None]
+        np.add.at(matrix, (np.broadcast_to(rows, low.shape), low), w_low)
+        np.add.at(matrix, (np.broadcast_to(rows, high.shape), high), w_high)
+        return matrix / low.shape[1]
+
+    wy = weights(*ys, image.shape[1])
+    wx = weights(*xs, image.shape[2])
+    return np.einsum("ph,chw,qw->cpq", wy, image, wx)
+
+
+def _roi_max(image, ys, xs):
+    """Max over the sampling points of each weighted corner value (onnxruntime's definition)."""
+    best = None
+    for y_index, y_weight in ((ys[0], ys[2]), (ys[1], ys[3])):
+        for x_index, x_weight in ((xs[0], xs[2]), (xs[1], xs[3])):
+            # [C, bins_y, samples_y, bins_x, samples_x]
+            values = image[:, y_index[:, :, None, None], x_index[None, None, :, :]]
+            weighted = values * (y_weight[:, :, None, None] * x_weight[None, None, :, :])
+            best = weighted if best is None else np.maximum(best, weighted)
+    return best.max(axis=(2, 4))
+
+
+def _roi_align(node, inputs):
+    x, rois, batch_indices = inputs
+    out_h, out_w = node.attr("output_height", 1), node.attr("output_width", 1)
+    ratio = node.attr("sampling_ratio", 0)
+    pool = _roi_max if node.attr("mode", "avg") == "max" else _roi_average
+    image_h, image_w = x.shape[2:]
+    out = np.zeros((rois.shape[0], x.shape[1], out_h, out_w))
+    for r, (roi, batch) in enumerate(zip(rois, batch_indices, strict=True)):
+        y1, x1, height, width = _roi_geometry(node, roi)
+        ys = _roi_axis_samples(y1, height, out_h, ratio, image_h)
+        xs = _roi_axis_samples(x1, width, out_w, ratio, image_w)
+        out[r] = pool(x[int(batch)].astype(np.float64), ys, xs)
+    return [out.astype(x.dtype)]
+
+
+def _roi_align_rule(node, types):
+    x, rois = types[0], types[1]
+    shape = (rois.shape[0], x.shape[1], node.attr("output_height", 1), node.attr("output_width", 1))
+    return [TensorType(shape, x.dtype)]
+
+
+OPS["RoiAlign"] = opdef("RoiAlign", OpKind.OPAQUE, _roi_align_rule, _roi_align)

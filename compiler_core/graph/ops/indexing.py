@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from compiler_core.graph.ir import OpKind
-from compiler_core.graph.ops.base import OpDef, evaluated, normalize_axis, opdef, same_as
+from compiler_core.graph.ops.base import (
+    OpDef,
+    ShapeError,
+    evaluated,
+    normalize_axis,
+    opdef,
+    same_as,
+)
 
 
 def _wrap(indices: np.ndarray, size: int) -> np.ndarray:
@@ -172,13 +179,49 @@ def _bit_cast(node, inputs):
     return [np.ascontiguousarray(x).view(target).reshape(x.shape[:-1])]
 
 
+def _tensor_scatter(node, inputs):
+    """Write `update` into a copy of the cache along the sequence axis, at each batch row's
+    write index (zero when absent); circular mode wraps positions around the cache length."""
+    past, update = inputs[0], inputs[1]
+    axis = normalize_axis(node.attr("axis", -2), past.ndim, node)
+    batch = past.shape[0]
+    starts = np.zeros(batch, np.int64) if inputs[2] is None else inputs[2].astype(np.int64)
+    capacity, length = past.shape[axis], update.shape[axis]
+    out = past.copy()
+    for b in range(batch):
+        positions = starts[b] + np.arange(length)
+        if node.attr("mode", "linear") == "circular":
+            positions = positions % capacity
+        elif positions.size and (positions.min() < 0 or positions.max() >= capacity):
+            raise IndexError(f"TensorScatter writes past the cache length {capacity}")
+        # Axis 0 is the batch: within a row the sequence axis is axis - 1.
+        target = np.moveaxis(out[b], axis - 1, 0)
+        target[positions] = np.moveaxis(update[b], axis - 1, 0)
+    return [out]
+
+
+def _tensor_scatter_rule(node, types):
+    past, update = types[0], types[1]
+    axis = normalize_axis(node.attr("axis", -2), past.rank, node)
+    if axis == 0:
+        raise ShapeError(f"TensorScatter {node.name!r}: the sequence axis cannot be the batch axis")
+    fixed = [d for k, d in enumerate(past.shape) if k != axis]
+    if update.rank != past.rank or fixed != [d for k, d in enumerate(update.shape) if k != axis]:
+        raise ShapeError(
+            f"TensorScatter {node.name!r}: update {update.shape} does not fit cache {past.shape}"
+        )
+    if update.shape[axis] > past.shape[axis]:
+        raise ShapeError(f"TensorScatter {node.name!r}: update is longer than the cache")
+    return [past]
+
+
 OPS: dict[str, OpDef] = {
     "GatherElements": opdef(
         "GatherElements", OpKind.INJECTIVE, evaluated(_gather_elements), _gather_elements
     ),
     "GatherND": opdef("GatherND", OpKind.INJECTIVE, evaluated(_gather_nd), _gather_nd),
-    "ScatterElements": opdef("ScatterElements", OpKind.OPAQUE, same_as(0), _scatter_elements),
-    "ScatterND": opdef("ScatterND", OpKind.OPAQUE, same_as(0), _scatter_nd),
+    "ScatterElements": opdef("ScatterElements", OpKind.INJECTIVE, same_as(0), _scatter_elements),
+    "ScatterND": opdef("ScatterND", OpKind.INJECTIVE, same_as(0), _scatter_nd),
     "CumSum": opdef("CumSum", OpKind.OPAQUE, same_as(0), _scan(np.cumsum)),
     "CumProd": opdef("CumProd", OpKind.OPAQUE, same_as(0), _scan(np.cumprod)),
     "TopK": opdef("TopK", OpKind.OPAQUE, evaluated(_top_k), _top_k),
@@ -189,4 +232,7 @@ OPS: dict[str, OpDef] = {
         "CenterCropPad", OpKind.INJECTIVE, evaluated(_center_crop_pad), _center_crop_pad
     ),
     "BitCast": opdef("BitCast", OpKind.INJECTIVE, evaluated(_bit_cast), _bit_cast),
+    "TensorScatter": opdef(
+        "TensorScatter", OpKind.INJECTIVE, _tensor_scatter_rule, _tensor_scatter
+    ),
 }
