@@ -21,26 +21,8 @@ from compiler_core.te import (
 def _reduction(ctx: KernelContext, node: Node, x_value: str, combiner, transform=None):
     """Reduce `x` over the node's axes: returns (tensor, count of reduced elements)."""
     x = ctx.tensor(x_value)
-    axes = reduce_axes(node, len(x.shape))
-    keep = node.attr("keepdims", 1)
-    out = ctx.type(node.outputs[0])
-    raxes = [reduce_axis(x.shape[a], f"r{a}") for a in axes]
-    count = math.prod(x.shape[a] for a in axes)
-
-    def body(*i):
-        index, position = [], 0
-        for k in range(len(x.shape)):
-            if k in axes:
-                index.append(raxes[axes.index(k)])
-                position += 1 if keep else 0
-            else:
-                index.append(i[position])
-                position += 1
-        value = x[tuple(index)]
-        return combiner(transform(value) if transform else value, raxes)
-
-    name = ctx.stage_name(node)
-    return compute(out.shape, body, name, out.dtype), count
+    count = math.prod(x.shape[a] for a in reduce_axes(node, len(x.shape)))
+    return _reduction_of(ctx, node, x, combiner, transform), count
 
 
 def _simple(combiner, transform=None, finish=None) -> Builder:
@@ -74,7 +56,8 @@ def _log_sum_exp(ctx: KernelContext, node: Node):
     return [compute(total.shape, lambda *i: Unary("log", total[i]) + peak[i], ctx.stage_name(node))]
 
 
-def _reduction_of(ctx: KernelContext, node: Node, x, combiner):
+def _reduction_of(ctx: KernelContext, node: Node, x, combiner, transform=None):
+    """Reduce tensor `x` over the node's axes (keepdims as the node says)."""
     axes = reduce_axes(node, len(x.shape))
     keep = node.attr("keepdims", 1)
     out = ctx.type(node.outputs[0])
@@ -89,7 +72,8 @@ def _reduction_of(ctx: KernelContext, node: Node, x, combiner):
             else:
                 index.append(i[position])
                 position += 1
-        return combiner(x[tuple(index)], raxes)
+        value = x[tuple(index)]
+        return combiner(transform(value) if transform else value, raxes)
 
     return compute(out.shape, body, ctx.stage_name(node), out.dtype)
 
