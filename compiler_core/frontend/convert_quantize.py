@@ -8,9 +8,8 @@ from compiler_core.frontend.convert_utils import (
     all_outputs,
     convert_conv,
     input_at,
-    resolve_auto_pad,
 )
-from compiler_core.frontend.onnx import UnsupportedError, onnx_dtype_name
+from compiler_core.frontend.onnx import onnx_dtype_name
 
 
 def convert_quantize(ctx, node, attrs):
@@ -38,29 +37,6 @@ def convert_dequantize(ctx, node, attrs):
     ctx.emit("DequantizeLinear", all_inputs(node), all_outputs(node), **values)
 
 
-def convert_qlinear_conv(ctx, node, attrs):
-    """QLinearConv: like Conv, with x at input 0 and the weight at input 3."""
-    x, w = ctx.type(node.input[0]), ctx.type(node.input[3])
-    nsp = x.rank - 2
-    kernel = tuple(attrs.get("kernel_shape") or w.shape[2:])
-    if kernel != tuple(w.shape[2:]):
-        raise UnsupportedError(f"node {node.name!r}: kernel_shape {kernel} != weight {w.shape}")
-    strides = tuple(attrs.get("strides") or (1,) * nsp)
-    dilations = tuple(attrs.get("dilations") or (1,) * nsp)
-    pads = resolve_auto_pad(
-        attrs.get("auto_pad", "NOTSET"), x.shape[2:], kernel, strides, dilations, attrs.get("pads")
-    )
-    ctx.emit(
-        "QLinearConv",
-        all_inputs(node),
-        all_outputs(node),
-        pads=pads,
-        strides=strides,
-        dilations=dilations,
-        group=attrs.get("group", 1),
-    )
-
-
 def passthrough(op: str) -> Converter:
     def convert(ctx, node, attrs):
         ctx.emit(op, all_inputs(node), all_outputs(node))
@@ -75,5 +51,5 @@ CONVERTERS: dict[str, dict[int, Converter]] = {
     "MatMulInteger": {10: passthrough("MatMulInteger")},
     "ConvInteger": {10: convert_conv("ConvInteger")},
     "QLinearMatMul": {10: passthrough("QLinearMatMul")},
-    "QLinearConv": {10: convert_qlinear_conv},
+    "QLinearConv": {10: convert_conv("QLinearConv", weight_input=3)},
 }

@@ -143,11 +143,12 @@ def resolve_auto_pad(auto_pad, in_sizes, kernel, strides, dilations, pads):
     return tuple(begins + ends)
 
 
-def convert_conv(op: str = "Conv") -> Converter:
-    """Conv and ConvInteger: auto_pad resolved into explicit pads; defaults made explicit."""
+def convert_conv(op: str = "Conv", weight_input: int = 1) -> Converter:
+    """Conv, ConvInteger, QLinearConv: auto_pad resolved into explicit pads; defaults made
+    explicit. `weight_input` is where the weight sits (3 for QLinearConv)."""
 
     def convert(ctx, node, attrs):
-        x, w = ctx.type(node.input[0]), ctx.type(node.input[1])
+        x, w = ctx.type(node.input[0]), ctx.type(node.input[weight_input])
         nsp = x.rank - 2
         kernel = tuple(attrs.get("kernel_shape") or w.shape[2:])
         if kernel != tuple(w.shape[2:]):
