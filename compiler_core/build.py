@@ -38,6 +38,15 @@ class GroupKernel:
     schedule: list[Record]
     packed: dict[str, np.ndarray]
     stages: list[StageInfo]
+    symbol: str = ""  # the function that runs it: its own, or an identical kernel's
+
+    def __post_init__(self) -> None:
+        self.symbol = self.symbol or self.name
+
+    @property
+    def workload_key(self) -> str:
+        """The kernel's code without its name: equal keys compile to the same function."""
+        return dataclasses.replace(self.func, name="kernel").key
 
 
 def _symbol(index: int, anchor: str | None, first: str) -> str:
@@ -209,7 +218,7 @@ def emit_entry(
         return b.gep(workspace, [i64(memory.offsets[value])], source_etype=ir.IntType(8))
 
     for kernel in kernels:
-        fn = module.globals[kernel.name]
+        fn = module.globals[kernel.symbol]
         b.call(fn, [pointer(value) for value in kernel.inputs + kernel.outputs])
     memcpy = ir.Function(
         module,
@@ -242,6 +251,19 @@ class CompiledModel:
         return hashlib.sha256(kernel.func.key.encode()).hexdigest()
 
 
+def dedupe(kernels: Sequence[GroupKernel]) -> list[PrimFunc]:
+    """One function per distinct workload: a kernel whose code equals an earlier one's (the
+    repeated blocks of a ResNet or MobileNet) calls that one's function with its own buffers."""
+    first: dict[str, GroupKernel] = {}
+    funcs = []
+    for kernel in kernels:
+        original = first.setdefault(kernel.workload_key, kernel)
+        kernel.symbol = original.name
+        if original is kernel:
+            funcs.append(kernel.func)
+    return funcs
+
+
 def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None = None):
     started = time.perf_counter()
     kernels = []
@@ -250,7 +272,7 @@ def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None 
         kernels.append(build_group(graph, group, index, override))
     memory = plan_memory(graph, kernels)
     weights = layout_weights(graph, kernels)
-    module = codegen.build_module([k.func for k in kernels], target, name=graph.name)
+    module = codegen.build_module(dedupe(kernels), target, name=graph.name)
     emit_entry(module, graph, kernels, memory, weights)
     obj = emit_object(module, target)
     return CompiledModel(

@@ -141,8 +141,8 @@ def cmd_compile(args) -> int:
         f"{time.perf_counter() - started:.1f}s -> {path}"
     )
     print(
-        f"  kernels: {len(manifest['kernels'])}; workspace {memory['workspace_bytes']} bytes "
-        f"(without reuse {memory['naive_bytes']})"
+        f"  kernels: {len(manifest['kernels'])} ({manifest['distinct_kernels']} distinct); "
+        f"workspace {memory['workspace_bytes']} bytes (without reuse {memory['naive_bytes']})"
     )
     print(
         f"  verification vs {check['oracle']}: max abs error {check['max_abs_error']:.3g} "
@@ -189,7 +189,16 @@ def cmd_run(args) -> int:
             f"latency over {len(ms)} runs: median {np.median(ms):.3f} ms, "
             f"p90 {np.percentile(ms, 90):.3f} ms"
         )
+    if args.profile:
+        _print_profile(module.profile(inputs, max(args.repeat, 1)), args.profile)
     return 0
+
+
+def _print_profile(rows: list[tuple[str, float]], top: int) -> None:
+    total = sum(seconds for _, seconds in rows) or 1.0
+    print(f"per-kernel medians (sum {total * 1000:.3f} ms), the {top} slowest:")
+    for name, seconds in sorted(rows, key=lambda row: -row[1])[:top]:
+        print(f"  {seconds * 1000:8.3f} ms {100 * seconds / total:5.1f}%  {name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--repeat", type=int, default=20, help="timed runs after the first")
     run.add_argument("--threads", type=int, default=None)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=20,
+        default=0,
+        metavar="TOP",
+        help="also time each kernel on its own and list the TOP slowest (default 20)",
+    )
     run.set_defaults(run=cmd_run)
     return parser
 

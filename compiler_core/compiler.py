@@ -94,7 +94,8 @@ def _members(compiled: CompiledModel, library: bytes, model_sha: str) -> dict[st
         "outputs": describe_types(graph, graph.outputs),
         "workspace_bytes": compiled.memory.workspace_bytes,
         "kernels": [
-            {"name": k.name, "inputs": k.inputs, "outputs": k.outputs} for k in compiled.kernels
+            {"name": k.name, "symbol": k.symbol, "inputs": k.inputs, "outputs": k.outputs}
+            for k in compiled.kernels
         ],
         "workspace_offsets": compiled.memory.offsets,
         "weight_offsets": compiled.weights.offsets,
@@ -114,6 +115,7 @@ def _members(compiled: CompiledModel, library: bytes, model_sha: str) -> dict[st
         "target_fingerprint": compiled.target.fingerprint,
         "compiler_version": COMPILER_VERSION,
         "kernels": {k.name: "default schedule" for k in compiled.kernels},
+        "distinct_kernels": len({k.symbol for k in compiled.kernels}),
         "memory": {
             "workspace_bytes": compiled.memory.workspace_bytes,
             "naive_bytes": compiled.memory.naive_bytes,

@@ -8,6 +8,7 @@ import numpy as np
 
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.image import axis_weights
+from compiler_core.graph.ops.layout import block_of
 from compiler_core.graph.ops.tensor import slice_objects
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
@@ -664,3 +665,24 @@ def _gather_nd(ctx: KernelContext, node: Node):
 
 
 KERNELS["GatherND"] = _gather_nd
+
+
+def _layout_transform(ctx: KernelContext, node: Node):
+    """NCHW <-> NCHW[b]c (or between two block sizes) as one index mapping."""
+    x = ctx.tensor(node.inputs[0])
+    out = ctx.type(node.outputs[0])
+    source, target = block_of(node.attr("src_layout")), block_of(node.attr("dst_layout"))
+
+    def body(*i):
+        n, spatial = i[0], i[2 : len(i) - (1 if target else 0)]
+        channel = i[1] * Const(target, INDEX) + i[-1] if target else i[1]
+        if not source:
+            return x[(n, channel, *spatial)]
+        outer = Binary("floordiv", channel, Const(source, INDEX))
+        inner = Binary("mod", channel, Const(source, INDEX))
+        return x[(n, outer, *spatial, inner)]
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+KERNELS["LayoutTransform"] = _layout_transform

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from compiler_core.graph.ir import Node
-from compiler_core.graph.ops.nn import spatial_params
+from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Select, Unary, logical_and
@@ -21,12 +21,15 @@ CHANNEL_BLOCK = 16  # output channels per vector (16 x float32 = one zmm registe
 PANEL = 32  # GEMM columns per packed panel (two zmm registers)
 
 
-def _padded(ctx: KernelContext, node: Node, x: Tensor, pads, fill) -> Tensor:
-    nsp = len(x.shape) - 2
+def _padded(ctx: KernelContext, node: Node, x: Tensor, pads, fill, nsp: int = 0) -> Tensor:
+    """`x` padded on its spatial axes 2 .. 2+nsp (all axes after the first two by default;
+    a blocked layout passes nsp so its channel-block axis is left alone)."""
+    nsp = nsp or len(x.shape) - 2
     if not any(pads):
         return x
     shape = tuple(
-        d if k < 2 else d + pads[k - 2] + pads[k - 2 + nsp] for k, d in enumerate(x.shape)
+        d + pads[k - 2] + pads[k - 2 + nsp] if 2 <= k < 2 + nsp else d
+        for k, d in enumerate(x.shape)
     )
 
     def body(*i):
@@ -36,6 +39,7 @@ def _padded(ctx: KernelContext, node: Node, x: Tensor, pads, fill) -> Tensor:
             ok = logical_and(s >= Const(0, INDEX), s < Const(x.shape[2 + k], INDEX))
             inside = ok if inside is None else logical_and(inside, ok)
             source.append(clamp(s, x.shape[2 + k]))
+        source.extend(i[2 + nsp :])
         return Select(inside, x[tuple(source)], Const(fill, x.dtype))
 
     return compute(shape, body, ctx.stage_name(node, prefix="pad"))
@@ -49,6 +53,8 @@ def _window_index(i, ks, strides, dilations):
 
 
 def _conv(ctx: KernelContext, node: Node):
+    if any(conv_layouts(node)):
+        return _conv_nchwc(ctx, node)
     x = ctx.tensor(node.inputs[0])
     w_type = ctx.type(node.inputs[1])
     out = ctx.type(node.outputs[0])
@@ -96,6 +102,70 @@ def _conv(ctx: KernelContext, node: Node):
         return [conv]
     bias = ctx.tensor(node.inputs[2])
     return [compute(out.shape, lambda n, o, *s: conv[(n, o, *s)] + bias[o], ctx.stage_name(node))]
+
+
+def _conv_nchwc(ctx: KernelContext, node: Node):
+    """2-D convolution writing NCHW[b]c: out[n, mo, y, x, mi] (set up by the layout pass).
+
+    Weights are packed so the reduction reads them with unit stride, one vector of `b` output
+    channels per step: [M/b, C/ib, KH, KW, ib, b] for blocked data, [M/b, C, KH, KW, b] for
+    plain data and [M/b, KH, KW, b] for a depthwise conv (whose data is blocked too).
+    """
+    data_block, block = conv_layouts(node)
+    x = ctx.tensor(node.inputs[0])
+    weights = ctx.constant(node.inputs[1])
+    out = ctx.type(node.outputs[0])
+    m, cg, kh, kw = weights.shape
+    pads, strides, dilations = spatial_params(node, 2)
+    padded = _padded(ctx, node, x, pads, 0.0, nsp=2)
+    ks = [reduce_axis(kh, "rk0"), reduce_axis(kw, "rk1")]
+
+    def window(y, x_):
+        return _window_index((y, x_), ks, strides, dilations)
+
+    depthwise = node.attr("group", 1) > 1
+    if depthwise:
+        packed = np.moveaxis(weights.reshape(m // block, block, kh, kw), 1, -1)
+        wp = ctx.packed(node.inputs[1], f"dw_oihw{block}o", packed)
+
+        def body(n, mo, y, x_, mi):
+            source = padded[(n, mo, *window(y, x_), mi)]
+            return reduce_sum(source * wp[(mo, *ks, mi)], ks)
+
+    elif data_block:
+        split = weights.reshape(m // block, block, cg // data_block, data_block, kh, kw)
+        wp = ctx.packed(
+            node.inputs[1], f"oihw{data_block}i{block}o", split.transpose(0, 2, 4, 5, 3, 1)
+        )
+        rco, rci = reduce_axis(cg // data_block, "rco"), reduce_axis(data_block, "rci")
+
+        def body(n, mo, y, x_, mi):
+            source = padded[(n, rco, *window(y, x_), rci)]
+            return reduce_sum(source * wp[(mo, rco, *ks, rci, mi)], [rco, *ks, rci])
+
+    else:
+        packed = np.moveaxis(weights.reshape(m // block, block, cg, kh, kw), 1, -1)
+        wp = ctx.packed(node.inputs[1], f"oihw{block}o", packed)
+        rc = reduce_axis(cg, "rc")
+
+        def body(n, mo, y, x_, mi):
+            source = padded[(n, rc, *window(y, x_))]
+            return reduce_sum(source * wp[(mo, rc, *ks, mi)], [rc, *ks])
+
+    conv = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    ctx.note(conv.name, layout="nchwc_depthwise" if depthwise else "nchwc", block=block)
+    if not (len(node.inputs) > 2 and node.inputs[2]):
+        return [conv]
+    bias = ctx.packed(
+        node.inputs[2], f"bias{block}", ctx.constant(node.inputs[2]).reshape(m // block, block)
+    )
+    return [
+        compute(
+            out.shape,
+            lambda n, mo, y, x_, mi: conv[(n, mo, y, x_, mi)] + bias[(mo, mi)],
+            ctx.stage_name(node),
+        )
+    ]
 
 
 def panel_width(columns: int) -> int:

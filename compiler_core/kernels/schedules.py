@@ -120,6 +120,31 @@ def conv_schedule(
     return records
 
 
+def nchwc_conv_schedule(conv: StageInfo, epilogue: StageInfo | None, tile: int) -> list[Record]:
+    """Conv writing NCHW[b]c: a row of `tile` output pixels x one b-channel block held in
+    registers over the whole reduction (broadcast an input value, FMA with a weight vector);
+    the parallel loop is output-channel blocks x rows."""
+    n_loop, mo_loop, y_loop, x_loop, mi_loop = (conv.loop(k) for k in range(5))
+    reduce_loops = [name for name, _ in conv.reduce_axes]
+    tile = _largest_divisor(conv.shape[3], tuple(range(tile, 0, -1)))
+    records: list[Record] = [
+        Split(x_loop, tile),
+        Reorder((n_loop, mo_loop, y_loop, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i", mi_loop)),
+        CacheWrite(conv.name, reduce_loops[0]),
+        Vectorize(mi_loop),
+        Unroll(f"{x_loop}_i"),
+    ]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    records += [Fuse(mo_loop, y_loop), Parallel(f"{mo_loop}_{y_loop}_f")]
+    return records
+
+
+# Output pixels per register tile: accumulators + a weight vector must fit the 32 registers.
+NCHWC_TILE = 14
+NCHWC_DEPTHWISE_TILE = 8
+
+
 def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> list[Record]:
     rank = len(mm.shape)
     rows, cols = mm.shape[-2], mm.shape[-1]
@@ -190,7 +215,11 @@ def default_schedule(stages: list[StageInfo]) -> list[Record]:
     if anchor is not None:
         epilogue = _epilogue_of(anchor, kept, inlined, stages)
         layout = anchor.note("layout")
-        if anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed", "depthwise"):
+        if anchor.op == "Conv" and layout in ("nchwc", "nchwc_depthwise"):
+            tile = NCHWC_TILE if layout == "nchwc" else NCHWC_DEPTHWISE_TILE
+            records += nchwc_conv_schedule(anchor, epilogue, tile)
+            handled.add(anchor.name)
+        elif anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed", "depthwise"):
             depthwise = layout == "depthwise"
             records += conv_schedule(anchor, epilogue, depthwise, anchor.note("block"))
             handled.add(anchor.name)

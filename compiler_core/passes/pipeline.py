@@ -13,6 +13,7 @@ from compiler_core.passes import (
     fold_constants,
     fuse_operators,
     simplify_inference,
+    transform_layout,
 )
 
 Pass = Callable[[Graph], Graph]
@@ -25,6 +26,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("eliminate_common_subexpressions", eliminate_common_subexpressions.run),
     ("eliminate_identity_again", eliminate_identity.run),
     ("eliminate_dead_code", eliminate_dead_code.run),
+    ("transform_layout", transform_layout.run),
     ("fuse_operators", fuse_operators.run),
 )
 

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import tempfile
+import time
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,6 +83,7 @@ class Module:
         self._weights_owner, self._weights = _aligned_buffer(len(members["weights.bin"]))
         self._weights[:] = np.frombuffer(members["weights.bin"], np.uint8)
         self._workspace_owner, self._workspace = _aligned_buffer(plan["workspace_bytes"])
+        self._plan = plan
         set_num_threads(num_threads or int(os.environ.get("KILN_NUM_THREADS", os.cpu_count())))
 
     def _checked(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -118,6 +120,45 @@ class Module:
             ctypes.c_void_p(self._weights.ctypes.data),
         )
         return outputs
+
+    def profile(
+        self, inputs: Mapping[str, np.ndarray], repeats: int = 20
+    ) -> list[tuple[str, float]]:
+        """Time every kernel on its own, in execution order: [(kernel, median seconds)].
+
+        Kernels are called one by one over the same workspace the entry function uses, so
+        each sees the data it would see inside a whole-model run (a debug executor).
+        """
+        arrays = dict(zip([name for name, _, _ in self.inputs], self._checked(inputs), strict=True))
+        outputs = {name: np.empty(shape, dtype) for name, shape, dtype in self.outputs}
+        plan = self._plan
+
+        def pointer(value: str) -> ctypes.c_void_p:
+            if value in arrays:
+                return ctypes.c_void_p(arrays[value].ctypes.data)
+            if value in outputs:
+                return ctypes.c_void_p(outputs[value].ctypes.data)
+            if value in plan["weight_offsets"]:
+                base, offset = self._weights, plan["weight_offsets"][value]
+            else:
+                base, offset = self._workspace, plan["workspace_offsets"][value]
+            return ctypes.c_void_p(base.ctypes.data + offset)
+
+        calls = [
+            (
+                k["name"],
+                self._library.function(k["symbol"]),
+                [pointer(v) for v in k["inputs"] + k["outputs"]],
+            )
+            for k in plan["kernels"]
+        ]
+        samples: dict[str, list[float]] = {name: [] for name, _, _ in calls}
+        for _ in range(repeats):
+            for name, fn, args in calls:
+                started = time.perf_counter()
+                fn(*args)
+                samples[name].append(time.perf_counter() - started)
+        return [(name, float(np.median(samples[name]))) for name, _, _ in calls]
 
 
 def load(source, num_threads: int | None = None) -> Module:

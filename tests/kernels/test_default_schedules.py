@@ -62,6 +62,30 @@ def residual_model():
     )
 
 
+def blocked_chain_model():
+    """conv (plain data, NCHW16c out) -> relu -> depthwise stride 2 (16c) -> 1x1 conv reading
+    16c and writing 8c (24 channels): every blocked conv variant and a block change."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "wa"], ["a"], name="a", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["a"], ["r"], name="relu"),
+            helper.make_node(
+                "Conv",
+                ["r", "wb", "bb"],
+                ["b"],
+                name="dw",
+                group=16,
+                strides=[2, 2],
+                pads=[1, 1, 1, 1],
+            ),
+            helper.make_node("Conv", ["b", "wc"], ["y"], name="project"),
+        ],
+        [("x", FLOAT, [1, 8, 8, 8])],
+        [("y", FLOAT, [1, 24, 4, 4])],
+        {"wa": w(16, 8, 3, 3), "wb": w(16, 1, 3, 3), "bb": w(16), "wc": w(24, 16, 1, 1)},
+    )
+
+
 def gemm_model(m, k, n):
     return make_model(
         [
@@ -124,6 +148,9 @@ MODELS = {
     "conv_packed8_stride2": lambda: conv_model(4, 24, 1, 3, 2, [1, 1, 1, 1]),
     "conv_1x1": lambda: conv_model(16, 32, 1, 1, 1, [0, 0, 0, 0]),
     "conv_depthwise": lambda: conv_model(16, 16, 16, 3, 1, [1, 1, 1, 1]),
+    "conv_packed4_nchw": lambda: conv_model(8, 4, 1, 3, 1, [1, 1, 1, 1]),
+    "conv_depthwise_nchw": lambda: conv_model(12, 12, 12, 3, 2, [1, 1, 1, 1]),
+    "conv_blocked_chain": blocked_chain_model,
     "conv_grouped": lambda: conv_model(6, 6, 2, 3, 1, [1, 1, 1, 1], epilogue=False),
     "conv_residual": residual_model,
     "gemm_bias_relu": lambda: gemm_model(12, 20, 64),
@@ -193,7 +220,8 @@ def test_default_schedule_keeps_meaning_and_compiles(name, tmp_path):
 
 def test_anchor_groups_get_their_tiled_schedules():
     graph = optimize(import_model(residual_model()))
-    kernel = build_group(graph, graph.groups[0], 0)
+    index, group = next((k, g) for k, g in enumerate(graph.groups) if g.anchor)
+    kernel = build_group(graph, group, index)
     kinds = [type(r).__name__ for r in kernel.schedule]
     assert {"CacheWrite", "Vectorize", "ReverseComputeInline", "Parallel"} <= set(kinds)
     assert TensorProto.FLOAT == FLOAT

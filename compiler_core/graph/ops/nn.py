@@ -13,6 +13,14 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from compiler_core.graph.ir import OpKind, TensorType
 from compiler_core.graph.ops.base import OpDef, ShapeError, broadcast_shapes, opdef, same_as
+from compiler_core.graph.ops.layout import (
+    PLAIN,
+    block_of,
+    blocked_shape,
+    plain_shape,
+    to_blocked,
+    to_plain,
+)
 
 
 def spatial_params(node, nsp: int):
@@ -57,7 +65,24 @@ def _windows(x, kernel, pads, strides, dilations, fill, out_sizes):
 # --- convolution -------------------------------------------------------------------------------
 
 
+def conv_layouts(node) -> tuple[int, int]:
+    """Channel blocks of a Conv's data and output (0: plain NCHW), set by the layout pass."""
+    return (
+        block_of(node.attr("data_layout", PLAIN)),
+        block_of(node.attr("out_layout", PLAIN)),
+    )
+
+
 def _conv_rule(node, types):
+    data_block, out_block = conv_layouts(node)
+    if data_block or out_block:
+        plain = TensorType(plain_shape(types[0].shape, data_block), types[0].dtype)
+        (out,) = _plain_conv_rule(node, [plain, *types[1:]])
+        return [TensorType(blocked_shape(out.shape, out_block), out.dtype)]
+    return _plain_conv_rule(node, types)
+
+
+def _plain_conv_rule(node, types):
     x, w = types[0], types[1]
     nsp = x.rank - 2
     group = node.attr("group", 1)
@@ -74,12 +99,20 @@ def _conv_rule(node, types):
 
 
 def _conv(node, inputs):
+    data_block, out_block = conv_layouts(node)
+    if data_block or out_block:
+        plain = [to_plain(inputs[0], data_block), *inputs[1:]]
+        return [to_blocked(_plain_conv(node, plain)[0], out_block)]
+    return _plain_conv(node, inputs)
+
+
+def _plain_conv(node, inputs):
     x, w = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     nsp = x.ndim - 2
     group = node.attr("group", 1)
     pads, strides, dilations = spatial_params(node, nsp)
-    out_sizes = _conv_rule(node, [TensorType.of(x), TensorType.of(w)])[0].shape[2:]
+    out_sizes = _plain_conv_rule(node, [TensorType.of(x), TensorType.of(w)])[0].shape[2:]
     win = _windows(x, w.shape[2:], pads, strides, dilations, 0, out_sizes)
     n, m = x.shape[0], w.shape[0]
     cg, mg = x.shape[1] // group, m // group

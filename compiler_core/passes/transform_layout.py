@@ -1,0 +1,157 @@
+"""Layout transformation: chains of 2-D convolutions keep their activations in NCHW[b]c.
+
+A CPU convolution vectorizes over 16 output channels; with plain NCHW activations every
+vector of a depthwise convolution is a gather, and every conv reads its input with a stride
+of H*W between channels. This pass gives each eligible Conv blocked outputs (`out_layout`),
+lets it read blocked data when its producer already made them (`data_layout`), carries the
+blocked layout through the elementwise ops in between (Relu, Clip, a residual Add...) and
+inserts a `LayoutTransform` only where a consumer needs plain NCHW: at the edges of a chain.
+
+Eligible: float32 2-D Conv with a constant weight, output channels a multiple of 8, and
+either no groups or a depthwise grouping (one input and one output channel per group). The
+block is 16 (a zmm register of float32) where the channels allow, else 8; a conv reads its
+data in whatever block its producer wrote.
+"""
+
+from __future__ import annotations
+
+from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
+from compiler_core.graph.ops import OP_TABLE
+from compiler_core.graph.ops.layout import PLAIN, blocked_layout
+
+NAME = "transform_layout"
+BLOCKS = (16, 8)  # one zmm register of float32, or one ymm when channels allow no more
+
+
+class _Rewriter:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.fresh = NameGenerator(graph.names())
+        self.types = dict(graph.types)
+        self.nodes: list[Node] = []
+        # plain value -> {block: the value's twin in NCHW[block]c}
+        self.blocked: dict[str, dict[int, str]] = {}
+        self.plain: set[str] = set(graph.inputs) | set(graph.constants)  # materialized
+
+    # --- values in either layout ------------------------------------------------------------
+
+    def as_blocked(self, value: str, block: int) -> str:
+        twins = self.blocked.setdefault(value, {})
+        if block not in twins:
+            source_block, source = next(iter(twins.items()), (0, value))
+            if not source_block:
+                self.as_plain(value)
+            twins[block] = self._transform(source, source_block, block, value)
+        return twins[block]
+
+    def as_plain(self, value: str) -> str:
+        if value not in self.plain:
+            block, source = next(iter(self.blocked[value].items()))
+            self._transform(source, block, 0, value, output=value)
+            self.plain.add(value)
+        return value
+
+    def _transform(self, source: str, from_block: int, to_block: int, value: str, output=None):
+        target = blocked_layout(to_block)
+        output = output or self.fresh.unique(f"{value}_{target.lower()}")
+        node = Node(
+            "LayoutTransform",
+            self.fresh.unique(f"{value}_to_{target.lower()}"),
+            (source,),
+            (output,),
+            {"src_layout": blocked_layout(from_block), "dst_layout": target},
+        )
+        self._emit(node)
+        return output
+
+    def _emit(self, node: Node) -> None:
+        input_types = [self.types[v] if v else None for v in node.inputs]
+        out_types = OP_TABLE[node.op].infer(node, input_types)
+        for value, t in zip(node.outputs, out_types, strict=False):
+            if value:
+                self.types[value] = t
+        self.nodes.append(node)
+
+    def _produce_blocked(self, node: Node, inputs: tuple[str, ...], block: int, attrs=None):
+        out = node.outputs[0]
+        twin = self.fresh.unique(f"{out}_{blocked_layout(block).lower()}")
+        self.blocked[out] = {block: twin}
+        changes = {"inputs": inputs, "outputs": (twin,)}
+        if attrs is not None:
+            changes["attrs"] = attrs
+        self._emit(node.replace(**changes))
+
+    def _block_available(self, value: str) -> int:
+        return next(iter(self.blocked.get(value, {})), 0)
+
+    # --- node rewrites -----------------------------------------------------------------------
+
+    def visit(self, node: Node) -> None:
+        if _conv_block(self.graph, node):
+            self._blocked_conv(node, _conv_block(self.graph, node))
+        elif self._carried_block(node):
+            self._blocked_elementwise(node, self._carried_block(node))
+        else:
+            inputs = tuple(self.as_plain(v) if v in self.blocked else v for v in node.inputs)
+            self._emit(node.replace(inputs=inputs))
+            self.plain.update(v for v in node.outputs if v)
+
+    def _blocked_conv(self, node: Node, block: int) -> None:
+        x = node.inputs[0]
+        # A depthwise conv reads data in its own block; any other conv reads data in the
+        # block its producer wrote, or plain.
+        depthwise = node.attr("group", 1) > 1
+        data_block = block if depthwise else self._block_available(x)
+        data = self.as_blocked(x, data_block) if data_block else self.as_plain(x)
+        attrs = {
+            **node.attr_dict,
+            "data_layout": blocked_layout(data_block),
+            "out_layout": blocked_layout(block),
+        }
+        self._produce_blocked(node, (data, *node.inputs[1:]), block, attrs)
+
+    def _data_inputs(self, node: Node) -> list[str]:
+        return [v for v in node.inputs if v and self.graph.types[v].size != 1]
+
+    def _carried_block(self, node: Node) -> int:
+        """The block an elementwise op keeps: that of its first blocked operand, when every
+        other operand is a scalar or a tensor of the same shape (0: stay plain)."""
+        if OP_TABLE[node.op].kind > OpKind.BROADCAST or len(node.outputs) != 1:
+            return 0
+        shape = self.graph.types[node.outputs[0]].shape
+        data = self._data_inputs(node)
+        if len(shape) != 4 or not all(self.graph.types[v].shape == shape for v in data):
+            return 0
+        block = next((self._block_available(v) for v in data if v in self.blocked), 0)
+        return block if block and shape[1] % block == 0 else 0
+
+    def _blocked_elementwise(self, node: Node, block: int) -> None:
+        data = set(self._data_inputs(node))
+        inputs = tuple(self.as_blocked(v, block) if v in data else v for v in node.inputs)
+        self._produce_blocked(node, inputs, block)
+
+
+def _conv_block(graph: Graph, node: Node) -> int:
+    """The channel block an eligible Conv writes (0: not eligible)."""
+    if node.op != "Conv" or node.attr("out_layout", PLAIN) != PLAIN:
+        return 0
+    x, w = graph.types[node.inputs[0]], graph.types[node.inputs[1]]
+    if x.rank != 4 or x.dtype != "float32" or node.inputs[1] not in graph.constants:
+        return 0
+    group, out_channels = node.attr("group", 1), w.shape[0]
+    if not (group == 1 or group == x.shape[1] == out_channels):
+        return 0
+    return next((b for b in BLOCKS if out_channels % b == 0), 0)
+
+
+def run(graph: Graph) -> Graph:
+    if not any(_conv_block(graph, node) for node in graph.nodes):
+        return graph
+    rewriter = _Rewriter(graph)
+    for node in graph.nodes:
+        rewriter.visit(node)
+    for value in graph.outputs:
+        if value in rewriter.blocked:
+            rewriter.as_plain(value)
+    types = {k: v for k, v in rewriter.types.items() if isinstance(v, TensorType)}
+    return graph.replace(nodes=tuple(rewriter.nodes), types=types)

@@ -1,0 +1,145 @@
+"""The layout pass: conv chains stay in NCHW[b]c, transforms only at the chain's edges, and the
+graph computes what it did before (reference executor; blocks checked against numpy)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from compiler_core.frontend.onnx import import_model
+from compiler_core.graph.ops.layout import block_of, to_blocked, to_plain
+from compiler_core.passes import transform_layout
+from compiler_core.passes.pipeline import optimize
+from tests.conftest import FLOAT, make_model, shared_model
+from tests.passes.test_passes import assert_same_function, rand
+
+
+def before_layout(model):
+    return optimize(import_model(model), stop_after="eliminate_dead_code")
+
+
+def conv(name, x, w, out, **attrs):
+    return helper.make_node("Conv", [x, w], [out], name=name, **attrs)
+
+
+def chain_model():
+    """conv 8->16 (3x3) -> Clip -> depthwise 16 (stride 2) -> 1x1 16->24 -> Add(itself)."""
+    return make_model(
+        [
+            conv("stem", "x", "wa", "a", pads=[1, 1, 1, 1]),
+            helper.make_node("Clip", ["a", "lo", "hi"], ["r"], name="clip"),
+            conv("dw", "r", "wb", "b", group=16, strides=[2, 2], pads=[1, 1, 1, 1]),
+            conv("project", "b", "wc", "c"),
+            helper.make_node("Add", ["c", "c"], ["y"], name="add"),
+        ],
+        [("x", FLOAT, [1, 8, 8, 8])],
+        [("y", FLOAT, [1, 24, 4, 4])],
+        {
+            "wa": rand(16, 8, 3, 3),
+            "wb": rand(16, 1, 3, 3),
+            "wc": rand(24, 16, 1, 1),
+            "lo": np.array(0.0, np.float32),
+            "hi": np.array(6.0, np.float32),
+        },
+    )
+
+
+def layouts(graph):
+    return [
+        (n.name, n.attr("data_layout", "NCHW"), n.attr("out_layout", "NCHW"))
+        for n in graph.nodes
+        if n.op == "Conv"
+    ]
+
+
+def test_chain_stays_blocked_with_one_transform_at_the_end():
+    before = before_layout(chain_model())
+    after = transform_layout.run(before)
+    assert layouts(after) == [
+        ("stem", "NCHW", "NCHW16c"),
+        ("dw", "NCHW16c", "NCHW16c"),
+        ("project", "NCHW16c", "NCHW8c"),
+    ]
+    transforms = [n for n in after.nodes if n.op == "LayoutTransform"]
+    assert [(n.attr("src_layout"), n.attr("dst_layout")) for n in transforms] == [
+        ("NCHW8c", "NCHW")
+    ]
+    assert transforms[0].outputs == ("y",)
+    assert_same_function(before, after)
+
+
+def test_per_channel_operand_sends_the_value_back_to_plain():
+    model = make_model(
+        [
+            conv("conv", "x", "w", "a"),
+            helper.make_node("Mul", ["a", "scale"], ["y"], name="scale"),
+        ],
+        [("x", FLOAT, [1, 4, 5, 5])],
+        [("y", FLOAT, [1, 16, 5, 5])],
+        {"w": rand(16, 4, 1, 1), "scale": rand(1, 16, 1, 1)},
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before)
+    mul = next(n for n in after.nodes if n.op == "Mul")
+    assert after.types[mul.inputs[0]].shape == (1, 16, 5, 5)
+    assert_same_function(before, after)
+
+
+def test_blocked_value_that_is_also_an_output_keeps_its_name():
+    model = make_model(
+        [conv("conv", "x", "w", "a"), helper.make_node("Relu", ["a"], ["y"], name="relu")],
+        [("x", FLOAT, [1, 4, 5, 5])],
+        [("a", FLOAT, [1, 16, 5, 5]), ("y", FLOAT, [1, 16, 5, 5])],
+        {"w": rand(16, 4, 1, 1)},
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before)
+    produced = {out for n in after.nodes for out in n.outputs}
+    assert {"a", "y"} <= produced
+    assert_same_function(before, after)
+
+
+@pytest.mark.parametrize(
+    "channels, group",
+    [(12, 1), (16, 2)],
+    ids=["channels_not_a_multiple_of_8", "grouped_not_depthwise"],
+)
+def test_ineligible_convs_are_left_alone(channels, group):
+    model = make_model(
+        [conv("conv", "x", "w", "y", group=group)],
+        [("x", FLOAT, [1, 16, 5, 5])],
+        [("y", FLOAT, [1, channels, 5, 5])],
+        {"w": rand(channels, 16 // group, 1, 1)},
+    )
+    before = before_layout(model)
+    assert transform_layout.run(before) is before
+
+
+def test_non_constant_weights_are_left_alone():
+    model = make_model(
+        [conv("conv", "x", "w", "y")],
+        [("x", FLOAT, [1, 16, 5, 5]), ("w", FLOAT, [16, 16, 1, 1])],
+        [("y", FLOAT, [1, 16, 5, 5])],
+    )
+    before = before_layout(model)
+    assert transform_layout.run(before) is before
+
+
+def test_block_helpers_round_trip():
+    x = rand(2, 32, 3, 5)
+    blocked = to_blocked(x, 16)
+    assert blocked.shape == (2, 2, 3, 5, 16)
+    np.testing.assert_array_equal(blocked[1, 1, 2, 4], x[1, 16:, 2, 4])
+    np.testing.assert_array_equal(to_plain(blocked, 16), x)
+    assert block_of("NCHW8c") == 8 and block_of("NCHW") == 0
+    with pytest.raises(ValueError, match="unknown activation layout"):
+        block_of("NHWC")
+
+
+def test_resnet18_convs_all_blocked():
+    graph = optimize(import_model(shared_model("resnet18")))
+    convs = [n for n in graph.nodes if n.op == "Conv"]
+    assert all(n.attr("out_layout") == "NCHW16c" for n in convs)
+    # The stem reads the 3-channel input plain; the pool and the head need plain NCHW.
+    assert sum(n.op == "LayoutTransform" for n in graph.nodes) <= 3
