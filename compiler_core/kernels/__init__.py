@@ -6,7 +6,17 @@
 
 from __future__ import annotations
 
-from compiler_core.kernels import elementwise, injective, losses, nn, reduce, transformer
+from compiler_core.kernels import (
+    elementwise,
+    injective,
+    linear_attention,
+    losses,
+    nn,
+    recurrent,
+    reduce,
+    signal,
+    transformer,
+)
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
 
 
@@ -27,6 +37,9 @@ KERNELS: dict[str, Builder] = _merge(
     nn.KERNELS,
     losses.KERNELS,
     transformer.KERNELS,
+    signal.KERNELS,
+    recurrent.KERNELS,
+    linear_attention.KERNELS,
 )
 
 __all__ = ["KERNELS", "KernelContext", "KernelError"]
