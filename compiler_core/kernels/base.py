@@ -60,6 +60,16 @@ class KernelContext:
             self.inputs.append((value, tensor))
         return self.tensors[value]
 
+    def view(self, value: str, dtype: str, shape: Sequence[int]) -> Tensor:
+        """A kernel input reading the bytes of `value` as another element type and shape
+        (BitCast): the same memory, passed a second time, with no conversion."""
+        name = f"{value}::view:{dtype}"
+        if name not in self.tensors:
+            tensor = placeholder(tuple(shape), dtype, f"in{len(self.inputs)}")
+            self.tensors[name] = tensor
+            self.inputs.append((value, tensor))
+        return self.tensors[name]
+
     def packed(self, source: str, label: str, array: np.ndarray) -> Tensor:
         """A kernel input holding `array`, a build-time transform of constant `source`."""
         name = f"{source}::{label}"

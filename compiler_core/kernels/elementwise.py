@@ -19,7 +19,7 @@ from compiler_core.loop.ir import (
     maximum,
     minimum,
 )
-from compiler_core.te import compute
+from compiler_core.te import compute, reduce_axis, reduce_max, reduce_min
 
 
 def _const(value, like: Expr) -> Expr:
@@ -291,4 +291,50 @@ def _dequantize(ctx: KernelContext, node: Node):
     return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
 
 
-KERNELS.update({"QuantizeLinear": _quantize, "DequantizeLinear": _dequantize})
+def _dynamic_quantize(ctx: KernelContext, node: Node):
+    """uint8 quantization with the scale and zero point of x's range (widened to hold 0),
+    all in float32 as the operator defines it."""
+    x = ctx.tensor(node.inputs[0])
+    f32 = "float32"
+
+    def extreme(reduce):
+        axes = [reduce_axis(d, f"r{k}") for k, d in enumerate(x.shape)]
+        return compute((), lambda: reduce(Cast(f32, x[tuple(axes)]), axes), ctx.stage_name(node))
+
+    low_x, high_x = extreme(reduce_min), extreme(reduce_max)
+    zero_f = Const(0.0, f32)
+
+    def scale_body():
+        low, high = minimum(low_x[()], zero_f), maximum(high_x[()], zero_f)
+        return Select(high > low, (high - low) / Const(255.0, f32), Const(1.0, f32))
+
+    scale = compute((), scale_body, ctx.stage_name(node))
+
+    def saturated(value):
+        return minimum(maximum(value, zero_f), Const(255.0, f32))
+
+    zero_point = compute(
+        (),
+        lambda: saturated(Unary("round", -minimum(low_x[()], zero_f) / scale[()])),
+        ctx.stage_name(node),
+    )
+
+    def quantized(*i):
+        value = Unary("round", Cast(f32, x[i]) / scale[()]) + zero_point[()]
+        return Cast("uint8", saturated(value))
+
+    outputs = {
+        0: compute(x.shape, quantized, ctx.stage_name(node), "uint8"),
+        1: scale,
+        2: compute((), lambda: Cast("uint8", zero_point[()]), ctx.stage_name(node), "uint8"),
+    }
+    return [outputs[k] for k, value in enumerate(node.outputs) if value]
+
+
+KERNELS.update(
+    {
+        "QuantizeLinear": _quantize,
+        "DequantizeLinear": _dequantize,
+        "DynamicQuantizeLinear": _dynamic_quantize,
+    }
+)

@@ -686,3 +686,13 @@ def _layout_transform(ctx: KernelContext, node: Node):
 
 
 KERNELS["LayoutTransform"] = _layout_transform
+
+
+def _bit_cast(ctx: KernelContext, node: Node):
+    """BitCast: copy the input's bytes through a view of them as the target type."""
+    out = ctx.type(node.outputs[0])
+    source = ctx.view(node.inputs[0], out.dtype, out.shape)
+    return [compute(out.shape, lambda *i: source[i], ctx.stage_name(node))]
+
+
+KERNELS["BitCast"] = _bit_cast

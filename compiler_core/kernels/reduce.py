@@ -453,3 +453,41 @@ def _group_norm(ctx: KernelContext, node: Node):
 
 
 KERNELS["GroupNormalization"] = _group_norm
+
+
+def _mean_variance_normalization(ctx: KernelContext, node: Node):
+    """(x - mean) / sqrt(var + 1e-9) over `axes` (default N, H, W), in float64 like the
+    reference, cast back at the end."""
+    x = ctx.tensor(node.inputs[0])
+    rank = len(x.shape)
+    axes = sorted(a % rank for a in node.attr("axes", (0, 2, 3)))
+    kept = [k for k in range(rank) if k not in axes]
+    kept_shape = tuple(x.shape[k] for k in kept)
+    inverse_count = Const(1.0 / math.prod(x.shape[a] for a in axes), "float64")
+
+    def value(kept_index, reduced):
+        parts = dict(zip(kept, kept_index, strict=True)) | dict(zip(axes, reduced, strict=True))
+        return Cast("float64", x[tuple(parts[k] for k in range(rank))])
+
+    def sum_body(*i):
+        ks = [reduce_axis(x.shape[a], f"r{a}") for a in axes]
+        return reduce_sum(value(i, ks), ks)
+
+    total = compute(kept_shape, sum_body, ctx.stage_name(node))
+
+    def squares_body(*i):
+        ks = [reduce_axis(x.shape[a], f"r{a}") for a in axes]
+        d = value(i, ks) - total[i] * inverse_count
+        return reduce_sum(d * d, ks)
+
+    squares = compute(kept_shape, squares_body, ctx.stage_name(node))
+
+    def body(*i):
+        k = tuple(i[a] for a in kept)
+        std = Unary("sqrt", squares[k] * inverse_count + Const(1e-9, "float64"))
+        return Cast(x.dtype, (Cast("float64", x[i]) - total[k] * inverse_count) / std)
+
+    return [compute(x.shape, body, ctx.stage_name(node), x.dtype)]
+
+
+KERNELS["MeanVarianceNormalization"] = _mean_variance_normalization

@@ -56,7 +56,8 @@ def _largest_divisor(n: int, candidates) -> int:
 def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[StageInfo]]:
     records, kept = [], []
     for s in stages:
-        if s.pure and not s.output and not s.name.startswith("pad"):
+        # A rank-0 stage is a single store with no loop nest to inline: it stays as it is.
+        if s.pure and not s.output and not s.name.startswith("pad") and s.shape:
             records.append(ComputeInline(s.name))
         else:
             kept.append(s)
