@@ -22,6 +22,7 @@ import functools
 from collections.abc import Sequence
 
 import llvmlite.ir as ir
+import ml_dtypes
 import numpy as np
 
 from compiler_core.loop.ir import (
@@ -68,6 +69,7 @@ SCALAR_TYPES = {
     "uint16": ir.IntType(16),
     "uint8": I8,
     "bool": I8,  # in memory; i1 in registers
+    "bfloat16": ir.IntType(16),  # in memory; float32 rounded to bfloat16 in registers
 }
 FAST_MATH = ("contract",)
 LLVM_INTRINSICS = {
@@ -82,7 +84,7 @@ LLVM_INTRINSICS = {
     "cos": "llvm.cos",
 }
 LIBM = {
-    name: {"float32": f"{name}f", "float64": name}
+    name: {"float32": f"{name}f", "bfloat16": f"{name}f", "float64": name}
     for name in (
         "tanh",
         "erf",
@@ -100,7 +102,7 @@ LIBM = {
 
 
 def _is_float(dtype: str) -> bool:
-    return dtype in ("float16", "float32", "float64")
+    return dtype in ("float16", "bfloat16", "float32", "float64")
 
 
 def memory_type(dtype: str) -> ir.Type:
@@ -119,7 +121,14 @@ def _align(dtype: str) -> int:
 
 
 def _register_type(dtype: str) -> ir.Type:
+    if dtype == "bfloat16":
+        return ir.FloatType()
     return I1 if dtype == "bool" else memory_type(dtype)
+
+
+def _like(ty: ir.Type, element: ir.Type) -> ir.Type:
+    """`element`, or a vector of it as wide as `ty` is."""
+    return ir.VectorType(element, ty.count) if isinstance(ty, ir.VectorType) else element
 
 
 def _suffix(ty: ir.Type) -> str:
@@ -357,15 +366,31 @@ class FunctionEmitter:
     def _from_memory(self, b, value, dtype):
         if dtype == "bool":
             return b.icmp_unsigned("!=", value, ir.Constant(value.type, 0))
+        if dtype == "bfloat16":  # the high half of a float32
+            wide = b.shl(
+                b.zext(value, _like(value.type, I32)), self._splat_const(_like(value.type, I32), 16)
+            )
+            return b.bitcast(wide, _like(value.type, ir.FloatType()))
         return value
 
     def _to_memory(self, b, value, dtype):
         if dtype == "bool":
-            target = (
-                ir.VectorType(I8, value.type.count) if isinstance(value.type, ir.VectorType) else I8
-            )
-            return b.zext(value, target)
+            return b.zext(value, _like(value.type, I8))
+        if dtype == "bfloat16":
+            bits = b.bitcast(self._round_bfloat16(b, value), _like(value.type, I32))
+            high = b.lshr(bits, self._splat_const(bits.type, 16))
+            return b.trunc(high, _like(value.type, ir.IntType(16)))
         return value
+
+    def _round_bfloat16(self, b, value):
+        """float32 -> the nearest bfloat16 (ties to even), still as float32. NaN stays NaN."""
+        int_type = _like(value.type, I32)
+        bits = b.bitcast(value, int_type)
+        c = functools.partial(self._splat_const, int_type)
+        odd = b.and_(b.lshr(bits, c(16)), c(1))
+        rounded = b.and_(b.add(bits, b.add(c(0x7FFF), odd)), c(0xFFFF0000 - (1 << 32)))
+        is_nan = b.fcmp_unordered("uno", value, value)
+        return b.select(is_nan, value, b.bitcast(rounded, value.type))
 
     # --- expressions ----------------------------------------------------------------------
 
@@ -388,6 +413,8 @@ class FunctionEmitter:
 
     def _const(self, e: Const) -> ir.Value:
         ty = _register_type(e.dtype)
+        if e.dtype == "bfloat16":
+            return ir.Constant(ty, float(np.float32(ml_dtypes.bfloat16(e.value))))
         return ir.Constant(ty, int(e.value) if e.dtype == "bool" else e.value)
 
     def _expr(self, b: ir.IRBuilder, scope: _Scope, e: Expr) -> ir.Value:
@@ -567,6 +594,12 @@ class FunctionEmitter:
     def _cast(self, b, src: str, dst: str, x) -> ir.Value:
         if src == dst:
             return x
+        # bfloat16 values are float32 in registers (arithmetic runs in float32 and rounds
+        # when stored, as ONNX Runtime's bfloat16 kernels do): cast as float32, then round.
+        if src == "bfloat16":
+            return self._cast(b, "float32", dst, x)
+        if dst == "bfloat16":
+            return self._round_bfloat16(b, self._cast(b, src, "float32", x))
         lanes = x.type.count if isinstance(x.type, ir.VectorType) else None
 
         def ty(dtype):

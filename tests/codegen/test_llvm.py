@@ -140,3 +140,36 @@ def test_vector_loop_emits_512_bit_fma_on_avx512_hosts():
     )
     assembly = emit_assembly(build_module([scheduled], TARGET), TARGET)
     assert "vfmadd" in assembly
+
+
+def test_bfloat16_rounds_to_nearest_even_when_stored(tmp_path):
+    """bfloat16 is carried as float32 in registers: loads widen exactly, stores round to the
+    nearest bfloat16 (ties to even) and keep NaN and infinities, as ml_dtypes does."""
+    import ml_dtypes
+
+    x = te.placeholder((4, 16), "float32", "x")
+    h = te.placeholder((4, 16), "bfloat16", "h")
+    narrow = te.compute((4, 16), lambda i, j: Cast("bfloat16", x[i, j]), "narrow")
+    wide = te.compute((4, 16), lambda i, j: Cast("float32", h[i, j]) * 2.0, "wide")
+    summed = te.compute((4, 16), lambda i, j: h[i, j] + h[i, j], "summed")
+    funcs = [
+        apply(te.lower([x], [narrow], "narrow"), [Vectorize("narrow_i1")]),
+        te.lower([h], [wide], "wide"),
+        apply(te.lower([h], [summed], "summed"), [Vectorize("summed_i1")]),
+    ]
+    library = compile_funcs(funcs, tmp_path)
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((4, 16)).astype(np.float32)
+    # Exact ties between two bfloat16 values, both parities, and the special values.
+    values[0, :6] = [1.00390625, 1.01171875, -1.00390625, np.nan, np.inf, -np.inf]
+    out = np.empty((4, 16), ml_dtypes.bfloat16)
+    library.call("narrow", [values, out])
+    expected = values.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(out.view(np.uint16)[:, 3:], expected.view(np.uint16)[:, 3:])
+    assert np.isnan(out[0, 3].astype(np.float32))
+    np.testing.assert_array_equal(out[0, :3].astype(np.float32), [1.0, 1.015625, -1.0])
+    doubled = np.empty((4, 16), np.float32)
+    library.call("wide", [expected, doubled])
+    np.testing.assert_array_equal(doubled, expected.astype(np.float32) * 2)
+    library.call("summed", [expected, out])
+    np.testing.assert_array_equal(out.astype(np.float32), (expected + expected).astype(np.float32))
