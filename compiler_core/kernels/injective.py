@@ -696,3 +696,30 @@ def _bit_cast(ctx: KernelContext, node: Node):
 
 
 KERNELS["BitCast"] = _bit_cast
+
+
+def _tensor_scatter(ctx: KernelContext, node: Node):
+    """out = past, except positions write_index[b] .. + len along the sequence axis, which
+    read `update` (modulo the cache length in circular mode)."""
+    past, update = ctx.tensor(node.inputs[0]), ctx.tensor(node.inputs[1])
+    rank = len(past.shape)
+    axis = node.attr("axis", -2) % rank
+    capacity, length = past.shape[axis], update.shape[axis]
+    has_starts = len(node.inputs) > 2 and node.inputs[2]
+    starts = ctx.tensor(node.inputs[2]) if has_starts else None
+    circular = node.attr("mode", "linear") == "circular"
+
+    def body(*i):
+        start = Cast(INDEX, starts[(i[0],)]) if starts is not None else Const(0, INDEX)
+        offset = i[axis] - start
+        if circular:  # positions wrap: the update's k-th row lands at (start + k) mod capacity
+            offset = Binary("mod", offset + Const(capacity, INDEX), Const(capacity, INDEX))
+        inside = logical_and(offset >= Const(0, INDEX), offset < Const(length, INDEX))
+        source = list(i)
+        source[axis] = clamp(offset, length)
+        return Select(inside, update[tuple(source)], past[i])
+
+    return [compute(past.shape, body, ctx.stage_name(node))]
+
+
+KERNELS["TensorScatter"] = _tensor_scatter

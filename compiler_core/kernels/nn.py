@@ -15,7 +15,7 @@ from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Select, Unary, logical_and
-from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_sum
+from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_min, reduce_sum
 
 CHANNEL_BLOCK = 16  # output channels per vector (16 x float32 = one zmm register)
 PANEL = 32  # GEMM columns per packed panel (two zmm registers)
@@ -340,8 +340,6 @@ def _gemm(ctx: KernelContext, node: Node):
 
 def _pool(kind: str) -> Builder:
     def build(ctx: KernelContext, node: Node):
-        if any(node.outputs[1:]):
-            raise KernelError(f"node {node.name!r}: MaxPool indices output has no kernel")
         x = ctx.tensor(node.inputs[0])
         out = ctx.type(node.outputs[0])
         kernel = node.attr("kernel_shape")
@@ -369,7 +367,10 @@ def _pool(kind: str) -> Builder:
             return padded[(n, c, *_window_index(spatial, ks, strides, dilations))]
 
         if kind == "max":
-            return [compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))]
+            peak = compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))
+            if not any(node.outputs[1:]):
+                return [peak]
+            return [peak, _argmax_indices(ctx, node, x.shape, peak, padded, kernel)]
         if kind == "lp":
             p = Const(float(node.attr("p", 2)), x.dtype)
             powered = compute(
@@ -393,6 +394,46 @@ def _pool(kind: str) -> Builder:
         ]
 
     return build
+
+
+def _argmax_indices(ctx, node, in_shape, peak, padded, kernel) -> Tensor:
+    """MaxPool's Indices: the first maximum of each window (row-major window order, as the
+    reference's argmax), as a flat index into the unpadded input, row- or column-major."""
+    nsp = len(kernel)
+    pads, strides, dilations = spatial_params(node, nsp)
+    ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(kernel)]
+    none = Const(int(np.prod(kernel)), INDEX)
+
+    def first_position(n, c, *spatial):
+        source = padded[(n, c, *_window_index(spatial, ks, strides, dilations))]
+        position = Const(0, INDEX)
+        for k, extent in zip(ks, kernel, strict=True):
+            position = position * Const(extent, INDEX) + k
+        return reduce_min(Select(Binary("eq", source, peak[(n, c, *spatial)]), position, none), ks)
+
+    positions = compute(peak.shape, first_position, ctx.stage_name(node), INDEX)
+    dims = in_shape[2:]
+
+    def flat_index(n, c, *spatial):
+        position, coords = positions[(n, c, *spatial)], []
+        for j in range(nsp):
+            inner = int(np.prod(kernel[j + 1 :]))
+            k = Binary(
+                "mod", Binary("floordiv", position, Const(inner, INDEX)), Const(kernel[j], INDEX)
+            )
+            coords.append(
+                spatial[j] * Const(strides[j], INDEX)
+                + k * Const(dilations[j], INDEX)
+                - Const(pads[j], INDEX)
+            )
+        order = reversed(range(nsp)) if node.attr("storage_order", 0) else range(nsp)
+        flat = Const(0, INDEX)
+        for j in order:
+            flat = flat * Const(dims[j], INDEX) + coords[j]
+        channel = n * Const(in_shape[1], INDEX) + c
+        return channel * Const(int(np.prod(dims)), INDEX) + flat
+
+    return compute(peak.shape, flat_index, ctx.stage_name(node), INDEX)
 
 
 def _average_divisors(node, in_shape, out_shape, kernel, pads, strides, dilations):
