@@ -593,3 +593,77 @@ def _matmul_integer(ctx: KernelContext, node: Node):
 
 
 KERNELS["MatMulInteger"] = _matmul_integer
+
+
+def _integer_conv(ctx: KernelContext, node: Node, x_at: int, w_at: int, zeros: tuple[int, int]):
+    """The int32 sum of (x - x_zero) (w - w_zero) over each window: ConvInteger's result and
+    QLinearConv's accumulator. A weight zero point is per tensor or per output channel."""
+    x, w = ctx.tensor(node.inputs[x_at]), ctx.tensor(node.inputs[w_at])
+    x_zero, w_zero = (
+        ctx.tensor(node.inputs[k]) if k < len(node.inputs) and node.inputs[k] else None
+        for k in zeros
+    )
+    out_shape = ctx.type(node.outputs[0]).shape
+    nsp = len(x.shape) - 2
+    pads, strides, dilations = spatial_params(node, nsp)
+    group = node.attr("group", 1)
+    m, cg = w.shape[0], w.shape[1]
+    mg = m // group
+
+    def zero_of(t, channel):
+        if t is None:
+            return Const(0, "int32")
+        index = (
+            (channel,) if t.shape and t.shape[0] > 1 else tuple(Const(0, INDEX) for _ in t.shape)
+        )
+        return Cast("int32", t[index])
+
+    shifted = compute(
+        x.shape, lambda *i: Cast("int32", x[i]) - zero_of(x_zero, None), ctx.stage_name(node)
+    )
+    padded = _padded(ctx, node, shifted, pads, 0)
+    c = reduce_axis(cg, "rc")
+    ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(w.shape[2:])]
+
+    def body(n, o, *spatial):
+        channel = Binary("floordiv", o, Const(mg, INDEX)) * Const(cg, INDEX) + c if group > 1 else c
+        source = padded[(n, channel, *_window_index(spatial, ks, strides, dilations))]
+        weight = Cast("int32", w[(o, c, *ks)]) - zero_of(w_zero, o)
+        return reduce_sum(source * weight, [c, *ks])
+
+    return compute(out_shape, body, ctx.stage_name(node), "int32")
+
+
+def _conv_integer(ctx: KernelContext, node: Node):
+    return [_integer_conv(ctx, node, 0, 1, (2, 3))]
+
+
+def _qlinear_conv(ctx: KernelContext, node: Node):
+    """round(accumulator (+ bias) * x_scale * w_scale[m] / y_scale) + y_zero, saturated; the
+    scaling in float64, as the reference does."""
+    acc = _integer_conv(ctx, node, 0, 3, (2, 5))
+    x_scale, w_scale, y_scale, y_zero = (ctx.tensor(node.inputs[k]) for k in (1, 4, 6, 7))
+    bias = ctx.tensor(node.inputs[8]) if len(node.inputs) > 8 and node.inputs[8] else None
+    out = ctx.type(node.outputs[0])
+    info = np.iinfo(out.dtype)
+    f64 = "float64"
+
+    def scalar(t):
+        return Cast(f64, t[tuple(Const(0, INDEX) for _ in t.shape)])
+
+    def body(n, o, *spatial):
+        value = Cast(f64, acc[(n, o, *spatial)])
+        if bias is not None:
+            value = value + Cast(f64, bias[(o,)])
+        scale_w = (
+            Cast(f64, w_scale[(o,)]) if w_scale.shape and w_scale.shape[0] > 1 else scalar(w_scale)
+        )
+        value = Unary("round", value * (scalar(x_scale) * scale_w / scalar(y_scale)))
+        value = value + scalar(y_zero)
+        low, high = Const(float(info.min), f64), Const(float(info.max), f64)
+        return Cast(out.dtype, Binary("min", Binary("max", value, low), high))
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS.update({"ConvInteger": _conv_integer, "QLinearConv": _qlinear_conv})
