@@ -250,13 +250,19 @@ KERNELS: dict[str, Builder] = {
 
 
 def _quantization_param(ctx: KernelContext, node: Node, value: str, index):
-    """A per-tensor (scalar) or per-axis (1-D) scale or zero point at an element's index."""
+    """A per-tensor (scalar), per-axis (1-D) or blocked (same rank as the data, one entry per
+    `block_size` elements along the axis) scale or zero point at an element's index."""
     t = ctx.tensor(value)
     if not t.shape or (len(t.shape) == 1 and t.shape[0] == 1 and len(index) <= 1):
         return t[tuple(Const(0, "int64") for _ in t.shape)]
-    if len(t.shape) != 1:
-        raise KernelError(f"node {node.name!r}: blocked quantization has no native kernel")
     axis = node.attr("axis", 1) % len(index)
+    block = node.attr("block_size", 0)
+    if block and len(t.shape) == len(index):
+        blocked = list(index)
+        blocked[axis] = Binary("floordiv", index[axis], Const(block, "int64"))
+        return t[tuple(blocked)]
+    if len(t.shape) != 1:
+        raise KernelError(f"node {node.name!r}: a {len(t.shape)}-D quantization parameter")
     return t[(index[axis],)]
 
 
