@@ -8,6 +8,8 @@ a convolution never test bounds.
 
 from __future__ import annotations
 
+import string
+
 import numpy as np
 
 from compiler_core.graph.ir import Node
@@ -531,19 +533,15 @@ KERNELS["ConvTranspose"] = _conv_transpose
 
 
 def _einsum(ctx: KernelContext, node: Node):
-    """Any explicit or implicit einsum without ellipses: output letters are loops, the others
-    are summed."""
-    equation = node.attr("equation").replace(" ", "")
-    if "..." in equation:
-        raise KernelError(f"node {node.name!r}: einsum with '...' has no native kernel")
-    lhs, _, rhs = equation.partition("->")
-    terms = lhs.split(",")
+    """Any explicit or implicit einsum: output letters are loops, the others are summed; an
+    ellipsis stands for letters of its own, broadcast numpy's way."""
     operands = [ctx.tensor(v) for v in node.inputs]
+    lhs, rhs = _expand_ellipsis(node.attr("equation"), [len(t.shape) for t in operands])
+    terms = lhs.split(",")
     sizes: dict[str, int] = {}
     for term, t in zip(terms, operands, strict=True):
-        sizes.update(zip(term, t.shape, strict=True))
-    if not _:
-        rhs = "".join(sorted(ch for ch in sizes if lhs.count(ch) == 1))
+        for ch, d in zip(term, t.shape, strict=True):
+            sizes[ch] = max(sizes.get(ch, 1), d)
     out = ctx.type(node.outputs[0])
     summed = [ch for ch in sizes if ch not in rhs]
     axes = {ch: reduce_axis(sizes[ch], f"r{ch}") for ch in summed}
@@ -552,11 +550,35 @@ def _einsum(ctx: KernelContext, node: Node):
         letter = dict(zip(rhs, i, strict=True)) | axes
         product = None
         for term, t in zip(terms, operands, strict=True):
-            value = t[tuple(letter[ch] for ch in term)]
+            index = (
+                letter[ch] if d == sizes[ch] else Const(0, INDEX)  # a broadcast dimension
+                for ch, d in zip(term, t.shape, strict=True)
+            )
+            value = t[tuple(index)]
             product = value if product is None else product * value
         return reduce_sum(product, list(axes.values())) if axes else product
 
     return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+def _expand_ellipsis(equation: str, ranks: list[int]) -> tuple[str, str]:
+    """(lhs, rhs) with every '...' spelled out in unused letters (right-aligned, as numpy
+    broadcasts) and the implicit output made explicit."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    spare = [ch for ch in string.ascii_letters if ch not in equation]
+    covered = [rank - (len(t) - 3) for t, rank in zip(terms, ranks, strict=True) if "..." in t]
+    ellipsis = "".join(spare[: max(covered, default=0)])
+    terms = [
+        t.replace("...", ellipsis[len(ellipsis) - (rank - (len(t) - 3)) :]) if "..." in t else t
+        for t, rank in zip(terms, ranks, strict=True)
+    ]
+    lhs = ",".join(terms)
+    if arrow:
+        return lhs, rhs.replace("...", ellipsis)
+    named = sorted(ch for ch in set(lhs) - set(ellipsis) - {","} if lhs.count(ch) == 1)
+    return lhs, ellipsis + "".join(named)
 
 
 KERNELS["Einsum"] = _einsum
