@@ -11,7 +11,18 @@ from compiler_core.graph.ops.image import axis_weights
 from compiler_core.graph.ops.layout import block_of
 from compiler_core.graph.ops.tensor import slice_objects
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
-from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
+from compiler_core.loop.ir import (
+    INDEX,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Select,
+    Unary,
+    logical_and,
+    maximum,
+    minimum,
+)
 from compiler_core.te import compute, reduce_axis, reduce_max, reduce_min, reduce_prod, reduce_sum
 
 
@@ -723,3 +734,78 @@ def _tensor_scatter(ctx: KernelContext, node: Node):
 
 
 KERNELS["TensorScatter"] = _tensor_scatter
+
+
+def _roi_align(ctx: KernelContext, node: Node):
+    """Bilinear samples on a fixed `sampling_ratio` grid per bin, averaged (or the max of
+    weighted corners, onnxruntime's max mode); coordinates in float64 like the reference."""
+    ratio = node.attr("sampling_ratio", 0)
+    if ratio <= 0:
+        raise KernelError(
+            f"node {node.name!r}: RoiAlign with an adaptive sampling_ratio (0) has a "
+            "data-dependent sample count and no native kernel"
+        )
+    x, rois, batch_indices = (ctx.tensor(v) for v in node.inputs[:3])
+    out = ctx.type(node.outputs[0])
+    f64 = "float64"
+    scale = node.attr("spatial_scale", 1.0)
+    half_pixel = node.attr("coordinate_transformation_mode", "half_pixel") == "half_pixel"
+    sy, sx = reduce_axis(ratio, "rsy"), reduce_axis(ratio, "rsx")
+
+    def roi(r, k):
+        value = Cast(f64, rois[(r, Const(k, INDEX))]) * Const(scale, f64)
+        return value - Const(0.5, f64) if half_pixel else value
+
+    def taps(r, axis, bin_, sample):
+        """(low index, high index, low weight, high weight) along y (axis 0) or x (1)."""
+        start, end = roi(r, 1 - axis), roi(r, 3 - axis)
+        length = end - start if half_pixel else maximum(end - start, Const(1.0, f64))
+        bins, size = out.shape[2 + axis], x.shape[2 + axis]
+        step = length / Const(float(bins), f64)
+        position = (
+            start
+            + Cast(f64, bin_) * step
+            + (Cast(f64, sample) + Const(0.5, f64)) * step / Const(float(ratio), f64)
+        )
+        valid = logical_and(position >= Const(-1.0, f64), position <= Const(float(size), f64))
+        position = maximum(position, Const(0.0, f64))
+        last = Const(size - 1, INDEX)
+        low = minimum(Cast(INDEX, Unary("floor", position)), last)
+        high = minimum(low + Const(1, INDEX), last)
+        position = Select(low >= last, Cast(f64, low), position)
+        frac = position - Cast(f64, low)
+        zero = Const(0.0, f64)
+        return low, high, Select(valid, Const(1.0, f64) - frac, zero), Select(valid, frac, zero)
+
+    def corners(r, c, py, px):
+        y_low, y_high, wy_low, wy_high = taps(r, 0, py, sy)
+        x_low, x_high, wx_low, wx_high = taps(r, 1, px, sx)
+        batch = Cast(INDEX, batch_indices[(r,)])
+        return [
+            Cast(f64, x[(batch, c, yi, xi)]) * wy * wx
+            for yi, wy in ((y_low, wy_low), (y_high, wy_high))
+            for xi, wx in ((x_low, wx_low), (x_high, wx_high))
+        ]
+
+    if node.attr("mode", "avg") == "max":
+
+        def pooled(r, c, py, px):
+            values = corners(r, c, py, px)
+            best = values[0]
+            for value in values[1:]:
+                best = maximum(best, value)
+            return reduce_max(best, [sy, sx])
+
+        result = compute(out.shape, pooled, ctx.stage_name(node), f64)
+        return [compute(out.shape, lambda *i: Cast(out.dtype, result[i]), ctx.stage_name(node))]
+
+    def summed(r, c, py, px):
+        a, b, c_, d = corners(r, c, py, px)
+        return reduce_sum(a + b + c_ + d, [sy, sx])
+
+    total = compute(out.shape, summed, ctx.stage_name(node), f64)
+    count = Const(float(ratio * ratio), f64)
+    return [compute(out.shape, lambda *i: Cast(out.dtype, total[i] / count), ctx.stage_name(node))]
+
+
+KERNELS["RoiAlign"] = _roi_align
