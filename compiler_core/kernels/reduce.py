@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.reduce import reduce_axes
-from compiler_core.kernels.base import Builder, KernelContext
+from compiler_core.kernels.base import Builder, KernelContext, KernelError
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import (
     compute,
@@ -491,3 +492,35 @@ def _mean_variance_normalization(ctx: KernelContext, node: Node):
 
 
 KERNELS["MeanVarianceNormalization"] = _mean_variance_normalization
+
+
+MAX_DET_ORDER = 4  # Leibniz's formula: n! products of n entries
+
+
+def _det(ctx: KernelContext, node: Node):
+    """Determinants of small matrices (n <= 4) by Leibniz's formula, summed in float64."""
+    x = ctx.tensor(node.inputs[0])
+    n = x.shape[-1]
+    if n > MAX_DET_ORDER:
+        raise KernelError(f"node {node.name!r}: Det of {n}x{n} matrices has no native kernel")
+    out = ctx.type(node.outputs[0])
+
+    def body(*batch):
+        total = Const(0.0, "float64")
+        for perm in itertools.permutations(range(n)):
+            product = Const(float(_permutation_sign(perm)), "float64")
+            for row, column in enumerate(perm):
+                entry = x[(*batch, Const(row, INDEX), Const(column, INDEX))]
+                product = product * Cast("float64", entry)
+            total = total + product
+        return Cast(out.dtype, total)
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+def _permutation_sign(perm) -> int:
+    inversions = sum(a > b for a, b in itertools.combinations(perm, 2))
+    return -1 if inversions % 2 else 1
+
+
+KERNELS["Det"] = _det
