@@ -8,6 +8,8 @@ a convolution never test bounds.
 
 from __future__ import annotations
 
+import itertools
+import math
 import string
 
 import numpy as np
@@ -689,3 +691,71 @@ def _qlinear_conv(ctx: KernelContext, node: Node):
 
 
 KERNELS.update({"ConvInteger": _conv_integer, "QLinearConv": _qlinear_conv})
+
+
+def _deform_conv(ctx: KernelContext, node: Node):
+    """Each kernel tap samples the input at its offset position (multilinear, zero outside),
+    scaled by the mask, then contracts with the weight; accumulated in float64 like the
+    reference."""
+    x, w, offset = (ctx.tensor(v) for v in node.inputs[:3])
+    bias = ctx.tensor(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
+    mask = ctx.tensor(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
+    out = ctx.type(node.outputs[0])
+    f64 = "float64"
+    strides, dilations, pads = node.attr("strides"), node.attr("dilations"), node.attr("pads")
+    group, offset_group = node.attr("group", 1), node.attr("offset_group", 1)
+    kernel = w.shape[2:]
+    nsp, taps = len(kernel), math.prod(kernel)
+    channels, spatial = x.shape[1], x.shape[2:]
+    cg, mg, cog = w.shape[1], w.shape[0] // group, channels // offset_group
+    rc = reduce_axis(cg, "rc")
+    ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(kernel)]
+
+    def body(n, m, *o):
+        channel = Binary("floordiv", m, Const(mg, INDEX)) * Const(cg, INDEX) + rc
+        og = Binary("floordiv", channel, Const(cog, INDEX))
+        tap = Const(0, INDEX)
+        for k, extent in zip(ks, kernel, strict=True):
+            tap = tap * Const(extent, INDEX) + k
+        base, frac = [], []
+        for d in range(nsp):
+            shift = offset[
+                (n, (og * Const(taps, INDEX) + tap) * Const(nsp, INDEX) + Const(d, INDEX), *o)
+            ]
+            start = (
+                o[d] * Const(strides[d], INDEX)
+                - Const(pads[d], INDEX)
+                + ks[d] * Const(dilations[d], INDEX)
+            )
+            position = Cast(f64, start) + Cast(f64, shift)
+            floor = Unary("floor", position)
+            base.append(Cast(INDEX, floor))
+            frac.append(position - floor)
+        sample = None
+        for corner in itertools.product((0, 1), repeat=nsp):
+            weight, inside, index = None, None, []
+            for d in range(nsp):
+                part = frac[d] if corner[d] else Const(1.0, f64) - frac[d]
+                weight = part if weight is None else weight * part
+                coord = base[d] + Const(corner[d], INDEX)
+                ok = logical_and(coord >= Const(0, INDEX), coord < Const(spatial[d], INDEX))
+                inside = ok if inside is None else logical_and(inside, ok)
+                index.append(clamp(coord, spatial[d]))
+            value = Select(inside, Cast(f64, x[(n, channel, *index)]), Const(0.0, f64)) * weight
+            sample = value if sample is None else sample + value
+        if mask is not None:
+            sample = sample * Cast(f64, mask[(n, og * Const(taps, INDEX) + tap, *o)])
+        return reduce_sum(Cast(f64, w[(m, rc, *ks)]) * sample, [rc, *ks])
+
+    total = compute(out.shape, body, ctx.stage_name(node), f64)
+
+    def result(n, m, *o):
+        value = total[(n, m, *o)]
+        if bias is not None:
+            value = value + Cast(f64, bias[(m,)])
+        return Cast(out.dtype, value)
+
+    return [compute(out.shape, result, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS["DeformConv"] = _deform_conv
