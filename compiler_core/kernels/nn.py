@@ -323,10 +323,13 @@ def _gemm(ctx: KernelContext, node: Node):
         a_at = a[(kk, i) if trans_a else (i, kk)]
         return reduce_sum(a_at * b_at(j), kk)
 
-    product = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    # With zero-padded panels (1000 columns in panels of 32, say) the product covers the
+    # padded width, so every register tile is whole; the epilogue keeps the real columns.
+    columns = -(-out.shape[1] // width) * width if width else out.shape[1]
+    product = compute((out.shape[0], columns), body, ctx.stage_name(node), out.dtype)
     ctx.note(product.name, panel=width)
     has_c = len(node.inputs) > 2 and node.inputs[2]
-    if not has_c and alpha == 1.0:
+    if not has_c and alpha == 1.0 and columns == out.shape[1]:
         return [product]
     c = ctx.tensor(node.inputs[2]) if has_c else None
 

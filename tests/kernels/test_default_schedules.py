@@ -155,6 +155,7 @@ MODELS = {
     "conv_residual": residual_model,
     "gemm_bias_relu": lambda: gemm_model(12, 20, 64),
     "gemm_batch1_odd": lambda: gemm_model(1, 30, 10),
+    "gemm_padded_panels": lambda: gemm_model(2, 70, 100),
     "matmul_batched": batched_matmul_model,
     "maxpool": lambda: single(
         "MaxPool",
