@@ -58,6 +58,29 @@ def test_archive_round_trips_through_bytes(mlp_archive):
     np.testing.assert_array_equal(a, b)
 
 
+def test_profile_times_every_kernel_over_the_run_buffers(mlp_archive):
+    module = load(mlp_archive)
+    x = np.random.default_rng(2).standard_normal((4, 784)).astype(np.float32)
+    rows = module.profile({"x": x}, repeats=3)
+    plan = json.loads(zipfile.ZipFile(io.BytesIO(mlp_archive.to_bytes())).read("plan.json"))
+    assert [name for name, _ in rows] == [k["name"] for k in plan["kernels"]]
+    assert all(seconds > 0 for _, seconds in rows)
+    # Profiling calls the same kernels on the same workspace: a later run is unaffected.
+    np.testing.assert_array_equal(
+        module.run({"x": x})["probs"], load(mlp_archive).run({"x": x})["probs"]
+    )
+    with pytest.raises(InputError):
+        module.profile({"x": x[:1]})
+
+
+def test_identical_kernels_share_one_function():
+    archive = compiler_core.compile(str(shared_model("resnet18")))
+    plan = json.loads(zipfile.ZipFile(io.BytesIO(archive.to_bytes())).read("plan.json"))
+    symbols = [k["symbol"] for k in plan["kernels"]]
+    assert len(set(symbols)) == archive.manifest["distinct_kernels"] < len(symbols)
+    assert archive.manifest["verification"]["passed"]
+
+
 def _rewrite_member(data: bytes, name: str, content: bytes) -> bytes:
     source = zipfile.ZipFile(io.BytesIO(data))
     buffer = io.BytesIO()
