@@ -3,9 +3,10 @@ the same run on the same machine, with the machine's FMA peak as the yardstick.
 
     .venv/bin/python -m bench.run [--models resnet18 mlp] [--threads 2] [--json bench/results.json]
 
-Latency is measured in alternating blocks (ten runs of one engine, then ten of the other, the
-first run of each block dropped): ORT's worker threads keep spinning after a call and would
-slow whatever runs right after them. Medians and p90 over all kept runs; ratios are ours/ORT.
+Latency is measured in alternating blocks (ten runs of one engine, then ten of the other, a
+0.3 s pause before each block and its first run dropped): ORT's worker threads keep spinning
+for about 100 ms after a call and would slow whatever runs right after them. Medians and p90
+over all kept runs; ratios are ours/ORT.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ MODEL_CASES = {
 }
 GEMM_CASES = [(n, n, n) for n in (256, 512, 1024, 2048)] + [(1, 784, 1024), (64, 784, 1024)]
 BLOCK, BLOCKS = 10, 8
+SETTLE_SECONDS = 0.3
 
 
 def cpu_name() -> str:
@@ -120,10 +122,17 @@ def fma_peak_gflops(threads: int) -> float:
 
 
 def interleaved(ours, theirs, blocks=BLOCKS, block=BLOCK):
-    """Times (seconds) of each engine, measured in alternating blocks."""
+    """Times (seconds) of each engine, measured in alternating blocks.
+
+    Each block starts after a pause of SETTLE_SECONDS: ORT's worker threads keep spinning for
+    about 100 ms after its last call (measured: our next five runs took twice as long), and
+    OpenMP's threads spin too; the pause lets either engine's threads park before the other
+    runs. The first run of a block is still dropped.
+    """
     samples = {"ours": [], "theirs": []}
     for _ in range(blocks):
         for name, fn in (("ours", ours), ("theirs", theirs)):
+            time.sleep(SETTLE_SECONDS)
             for k in range(block):
                 started = time.perf_counter()
                 fn()
