@@ -91,17 +91,27 @@ def _conv(ctx: KernelContext, node: Node):
         def weight(o):
             return lambda c_, k_: w[(o, c_, *k_)]
 
+    # Half precision accumulates in float32 and rounds once, as the reference and ONNX
+    # Runtime do; the rounded value is what an epilogue (bias, activation) sees.
+    accumulate = "float32" if out.dtype == "float16" else out.dtype
+
     def body(n, o, *spatial):
         channel = Binary("floordiv", o, Const(mg, INDEX)) * Const(cg, INDEX) + c if group > 1 else c
         source = padded[(n, channel, *_window_index(spatial, ks, strides, dilations))]
-        return reduce_sum(source * weight(o)(c, ks), [c, *ks])
+        product = source * weight(o)(c, ks)
+        return reduce_sum(
+            Cast(accumulate, product) if accumulate != out.dtype else product, [c, *ks]
+        )
 
-    conv = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    conv = compute(out.shape, body, ctx.stage_name(node), accumulate)
     ctx.note(
         conv.name,
         layout="packed" if packed else "depthwise" if depthwise else "generic",
         block=block,
     )
+    if accumulate != out.dtype:
+        wide = conv
+        conv = compute(out.shape, lambda *i: Cast(out.dtype, wide[i]), ctx.stage_name(node))
     if not has_bias:
         return [conv]
     bias = ctx.tensor(node.inputs[2])
