@@ -18,7 +18,7 @@ from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
-from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Select, Unary, logical_and
+from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_min, reduce_sum
 
 CHANNEL_BLOCK = 16  # output channels per vector (16 x float32 = one zmm register)
@@ -612,21 +612,23 @@ def _matmul_integer(ctx: KernelContext, node: Node):
     kk = reduce_axis(a.shape[-1], "rk")
     batch_shape = out.shape[:-2]
 
-    def zero_at(t, position):
-        if t is None:
-            return Const(0, "int32")
-        index = (
-            (position,) if t.shape and t.shape[0] > 1 else tuple(Const(0, INDEX) for _ in t.shape)
-        )
-        return Cast("int32", t[index])
-
     def body(*index):
         batch, i, j = index[:-2], index[-2], index[-1]
         a_at = Cast("int32", a[broadcast_index(a.shape[:-2], batch_shape, batch) + (i, kk)])
         b_at = Cast("int32", b[broadcast_index(b.shape[:-2], batch_shape, batch) + (kk, j)])
-        return reduce_sum((a_at - zero_at(a_zero, i)) * (b_at - zero_at(b_zero, j)), kk)
+        return reduce_sum((a_at - _zero_point(a_zero, i)) * (b_at - _zero_point(b_zero, j)), kk)
 
     return [compute(out.shape, body, ctx.stage_name(node), "int32")]
+
+
+def _zero_point(t: Tensor | None, position) -> Expr:
+    """An integer zero point as int32: absent (0), per tensor, or per row / channel at
+    `position` (a 1-D tensor of more than one entry)."""
+    if t is None:
+        return Const(0, "int32")
+    per_entry = t.shape and t.shape[0] > 1
+    index = (position,) if per_entry else tuple(Const(0, INDEX) for _ in t.shape)
+    return Cast("int32", t[index])
 
 
 KERNELS["MatMulInteger"] = _matmul_integer
@@ -647,16 +649,8 @@ def _integer_conv(ctx: KernelContext, node: Node, x_at: int, w_at: int, zeros: t
     m, cg = w.shape[0], w.shape[1]
     mg = m // group
 
-    def zero_of(t, channel):
-        if t is None:
-            return Const(0, "int32")
-        index = (
-            (channel,) if t.shape and t.shape[0] > 1 else tuple(Const(0, INDEX) for _ in t.shape)
-        )
-        return Cast("int32", t[index])
-
     shifted = compute(
-        x.shape, lambda *i: Cast("int32", x[i]) - zero_of(x_zero, None), ctx.stage_name(node)
+        x.shape, lambda *i: Cast("int32", x[i]) - _zero_point(x_zero, None), ctx.stage_name(node)
     )
     padded = _padded(ctx, node, shifted, pads, 0)
     c = reduce_axis(cg, "rc")
@@ -665,7 +659,7 @@ def _integer_conv(ctx: KernelContext, node: Node, x_at: int, w_at: int, zeros: t
     def body(n, o, *spatial):
         channel = Binary("floordiv", o, Const(mg, INDEX)) * Const(cg, INDEX) + c if group > 1 else c
         source = padded[(n, channel, *_window_index(spatial, ks, strides, dilations))]
-        weight = Cast("int32", w[(o, c, *ks)]) - zero_of(w_zero, o)
+        weight = Cast("int32", w[(o, c, *ks)]) - _zero_point(w_zero, o)
         return reduce_sum(source * weight, [c, *ks])
 
     return compute(out_shape, body, ctx.stage_name(node), "int32")
