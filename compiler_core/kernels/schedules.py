@@ -84,6 +84,15 @@ def _epilogue_of(anchor: StageInfo, kept: list[StageInfo], inlined: set[str], al
     return None
 
 
+def _vector_tile_io(stage: StageInfo) -> list[Record]:
+    """Vectorize the accumulator tile's zero fill and its store (which carries the epilogue)
+    along the tile's innermost axis, as the reduction itself is: left scalar and unrolled,
+    LLVM's SLP vectorizer does not reassemble them (MobileNetV2's 1x1 convs ran 2.5x slower).
+    """
+    last = len(stage.shape) - 1
+    return [Vectorize(f"{stage.name}_init{last}"), Vectorize(f"{stage.name}_wb{last}")]
+
+
 def conv_schedule(
     conv: StageInfo, epilogue: StageInfo | None, depthwise: bool, block: int
 ) -> list[Record]:
@@ -97,7 +106,7 @@ def conv_schedule(
         records += [Reorder((n_loop, m_loop, y_loop, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i"))]
         records += [CacheWrite(conv.name, reduce_loops[0])]
         if lanes > 1:
-            records.append(Vectorize(f"{x_loop}_i"))
+            records += [Vectorize(f"{x_loop}_i"), *_vector_tile_io(conv)]
         if epilogue is not None:
             records.append(ReverseComputeInline(epilogue.name))
         records += [Fuse(m_loop, y_loop), Parallel(f"{m_loop}_{y_loop}_f")]
@@ -121,6 +130,7 @@ def conv_schedule(
         CacheWrite(conv.name, reduce_loops[0]),
         Vectorize(f"{m_loop}_i"),
         Unroll(f"{x_loop}_i"),
+        *_vector_tile_io(conv),
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
@@ -141,6 +151,7 @@ def nchwc_conv_schedule(conv: StageInfo, epilogue: StageInfo | None, tile: int) 
         CacheWrite(conv.name, reduce_loops[0]),
         Vectorize(mi_loop),
         Unroll(f"{x_loop}_i"),
+        *_vector_tile_io(conv),
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
@@ -179,7 +190,7 @@ def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> li
     order = (*batch_loops, f"{i_loop}_o", f"{j_loop}_o", k_loop, f"{i_loop}_i", *inner_j)
     records += [Reorder(order), CacheWrite(mm.name, k_loop)]
     if nr >= 4:
-        records.append(Vectorize(inner_j[-1]))
+        records += [Vectorize(inner_j[-1]), *_vector_tile_io(mm)]
     if len(inner_j) == 2:
         records.append(Unroll(inner_j[0]))
     records.append(Unroll(f"{i_loop}_i"))
