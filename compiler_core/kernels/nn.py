@@ -377,11 +377,13 @@ def _pool(kind: str) -> Builder:
         full_pads = tuple(pads[:nsp]) + tuple(ends)
         lowest = -np.inf if np.dtype(x.dtype).kind == "f" else np.iinfo(x.dtype).min
         low = lowest if kind == "max" else 0.0
-        padded = _padded(ctx, node, x, full_pads, low)
+        # In NCHW[b]c (the layout pass) a channel-block axis follows the spatial ones.
+        padded = _padded(ctx, node, x, full_pads, low, nsp=nsp)
         ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(kernel)]
 
-        def window(n, c, *spatial):
-            return padded[(n, c, *_window_index(spatial, ks, strides, dilations))]
+        def window(n, c, *rest):
+            spatial, block = rest[:nsp], rest[nsp:]
+            return padded[(n, c, *_window_index(spatial, ks, strides, dilations), *block)]
 
         if kind == "max":
             peak = compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))
@@ -405,7 +407,7 @@ def _pool(kind: str) -> Builder:
         return [
             compute(
                 out.shape,
-                lambda n, c, *s: total[(n, c, *s)] / divisor[tuple(s)],
+                lambda n, c, *s: total[(n, c, *s)] / divisor[tuple(s[:nsp])],
                 ctx.stage_name(node),
             )
         ]
@@ -457,7 +459,7 @@ def _average_divisors(node, in_shape, out_shape, kernel, pads, strides, dilation
     """How many elements each average-pool window counts (a build-time constant)."""
     nsp = len(kernel)
     include_pad = bool(node.attr("count_include_pad", 0))
-    counts = np.ones(out_shape[2:], np.float64)
+    counts = np.ones(out_shape[2 : 2 + nsp], np.float64)
     for k in range(nsp):
         size, o = in_shape[2 + k], np.arange(out_shape[2 + k])
         starts = o * strides[k] - pads[k]

@@ -4,8 +4,9 @@ A CPU convolution vectorizes over 16 output channels; with plain NCHW activation
 vector of a depthwise convolution is a gather, and every conv reads its input with a stride
 of H*W between channels. This pass gives each eligible Conv blocked outputs (`out_layout`),
 lets it read blocked data when its producer already made them (`data_layout`), carries the
-blocked layout through the elementwise ops in between (Relu, Clip, a residual Add...) and
-inserts a `LayoutTransform` only where a consumer needs plain NCHW: at the edges of a chain.
+blocked layout through the elementwise ops and 2-D pooling in between (Relu, Clip, a
+residual Add, MaxPool...) and inserts a `LayoutTransform` only where a consumer needs plain
+NCHW: at the edges of a chain.
 
 Eligible: float32 2-D Conv with a constant weight, output channels a multiple of 8, and
 either no groups or a depthwise grouping (one input and one output channel per group). The
@@ -20,6 +21,7 @@ from compiler_core.graph.ops import OP_TABLE
 from compiler_core.graph.ops.layout import PLAIN, blocked_layout
 
 NAME = "transform_layout"
+POOLS = ("MaxPool", "AveragePool")
 BLOCKS = (16, 8)  # one zmm register of float32, or one ymm when channels allow no more
 
 
@@ -76,7 +78,7 @@ class _Rewriter:
         out = node.outputs[0]
         twin = self.fresh.unique(f"{out}_{blocked_layout(block).lower()}")
         self.blocked[out] = {block: twin}
-        changes = {"inputs": inputs, "outputs": (twin,)}
+        changes = {"inputs": inputs, "outputs": (twin, *node.outputs[1:])}
         if attrs is not None:
             changes["attrs"] = attrs
         self._emit(node.replace(**changes))
@@ -91,6 +93,10 @@ class _Rewriter:
             self._blocked_conv(node, _conv_block(self.graph, node))
         elif self._carried_block(node):
             self._blocked_elementwise(node, self._carried_block(node))
+        elif self._pool_block(node):
+            block = self._pool_block(node)
+            attrs = {**node.attr_dict, "data_layout": blocked_layout(block)}
+            self._produce_blocked(node, (self.blocked[node.inputs[0]][block],), block, attrs)
         else:
             inputs = tuple(self.as_plain(v) if v in self.blocked else v for v in node.inputs)
             self._emit(node.replace(inputs=inputs))
@@ -124,6 +130,13 @@ class _Rewriter:
             return 0
         block = next((self._block_available(v) for v in data if v in self.blocked), 0)
         return block if block and shape[1] % block == 0 else 0
+
+    def _pool_block(self, node: Node) -> int:
+        """Max and average pooling over H and W run in the block of their blocked input
+        (MaxPool's Indices output, which counts plain positions, keeps a pool plain)."""
+        if node.op not in POOLS or any(node.outputs[1:]) or len(node.attr("kernel_shape")) != 2:
+            return 0
+        return self._block_available(node.inputs[0])
 
     def _blocked_elementwise(self, node: Node, block: int) -> None:
         data = set(self._data_inputs(node))

@@ -86,6 +86,35 @@ def blocked_chain_model():
     )
 
 
+def blocked_pools_model():
+    """conv (NCHW16c out) -> MaxPool 3x3/2 -> AveragePool 2x2 with pads, both in NCHW16c."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+            helper.make_node(
+                "MaxPool",
+                ["c"],
+                ["m"],
+                name="max",
+                kernel_shape=[3, 3],
+                strides=[2, 2],
+                pads=[1, 1, 1, 1],
+            ),
+            helper.make_node(
+                "AveragePool",
+                ["m"],
+                ["y"],
+                name="avg",
+                kernel_shape=[2, 2],
+                pads=[0, 0, 1, 1],
+            ),
+        ],
+        [("x", FLOAT, [1, 4, 8, 8])],
+        [("y", FLOAT, [1, 16, 4, 4])],
+        {"w": w(16, 4, 3, 3)},
+    )
+
+
 def gemm_model(m, k, n):
     return make_model(
         [
@@ -151,6 +180,7 @@ MODELS = {
     "conv_packed4_nchw": lambda: conv_model(8, 4, 1, 3, 1, [1, 1, 1, 1]),
     "conv_depthwise_nchw": lambda: conv_model(12, 12, 12, 3, 2, [1, 1, 1, 1]),
     "conv_blocked_chain": blocked_chain_model,
+    "pools_blocked": blocked_pools_model,
     "conv_grouped": lambda: conv_model(6, 6, 2, 3, 1, [1, 1, 1, 1], epilogue=False),
     "conv_residual": residual_model,
     "gemm_bias_relu": lambda: gemm_model(12, 20, 64),

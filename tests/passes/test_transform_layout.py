@@ -11,7 +11,7 @@ from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.ops.layout import block_of, to_blocked, to_plain
 from compiler_core.passes import transform_layout
 from compiler_core.passes.pipeline import optimize
-from tests.conftest import FLOAT, make_model, shared_model
+from tests.conftest import FLOAT, INT64, make_model, shared_model
 from tests.passes.test_passes import assert_same_function, rand
 
 
@@ -141,5 +141,29 @@ def test_resnet18_convs_all_blocked():
     graph = optimize(import_model(shared_model("resnet18")))
     convs = [n for n in graph.nodes if n.op == "Conv"]
     assert all(n.attr("out_layout") == "NCHW16c" for n in convs)
-    # The stem reads the 3-channel input plain; the pool and the head need plain NCHW.
-    assert sum(n.op == "LayoutTransform" for n in graph.nodes) <= 3
+    # The stem reads the 3-channel input plain and the max pool runs blocked: only the head
+    # (global pooling, the classifier) needs plain NCHW.
+    assert [n.op for n in graph.nodes if n.op == "LayoutTransform"] == ["LayoutTransform"]
+    pool = next(n for n in graph.nodes if n.op == "MaxPool")
+    assert pool.attr("data_layout") == "NCHW16c"
+
+
+def test_pools_run_blocked_unless_indices_are_asked_for():
+    def model(with_indices):
+        outputs = ["p", "i"] if with_indices else ["p"]
+        nodes = [
+            conv("conv", "x", "w", "a"),
+            helper.make_node("MaxPool", ["a"], outputs, name="pool", kernel_shape=[2, 2]),
+            helper.make_node("Relu", ["p"], ["y"], name="relu"),
+        ]
+        declared = [("y", FLOAT, [1, 16, 4, 4])]
+        if with_indices:
+            declared.append(("i", INT64, [1, 16, 4, 4]))
+        return make_model(nodes, [("x", FLOAT, [1, 4, 5, 5])], declared, {"w": rand(16, 4, 1, 1)})
+
+    for with_indices, expected in ((False, "NCHW16c"), (True, "NCHW")):
+        before = before_layout(model(with_indices))
+        after = transform_layout.run(before)
+        pool = next(n for n in after.nodes if n.op == "MaxPool")
+        assert pool.attr("data_layout", "NCHW") == expected
+        assert_same_function(before, after)

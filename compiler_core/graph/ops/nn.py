@@ -151,6 +151,26 @@ def _pool_rule(node, types):
     return [out]
 
 
+def _layout_pool_rule(node, types):
+    """Pooling in NCHW[b]c (set by the layout pass) is pooling of the plain data, blocked."""
+    block = block_of(node.attr("data_layout", PLAIN))
+    if not block:
+        return _pool_rule(node, types)
+    plain = TensorType(plain_shape(types[0].shape, block), types[0].dtype)
+    return [TensorType(blocked_shape(t.shape, block), t.dtype) for t in _pool_rule(node, [plain])]
+
+
+def _in_data_layout(compute):
+    def run(node, inputs):
+        block = block_of(node.attr("data_layout", PLAIN))
+        if not block:
+            return compute(node, inputs)
+        results = compute(node, [to_plain(inputs[0], block), *inputs[1:]])
+        return [to_blocked(r, block) for r in results]
+
+    return run
+
+
 def _max_pool(node, inputs):
     x = inputs[0]
     kernel = node.attr("kernel_shape")
@@ -339,8 +359,12 @@ def _lrn(node, inputs):
 
 OPS: dict[str, OpDef] = {
     "Conv": opdef("Conv", OpKind.OUT_ELEMWISE_FUSABLE, _conv_rule, _conv),
-    "MaxPool": opdef("MaxPool", OpKind.OUT_ELEMWISE_FUSABLE, _pool_rule, _max_pool),
-    "AveragePool": opdef("AveragePool", OpKind.OUT_ELEMWISE_FUSABLE, _pool_rule, _avg_pool),
+    "MaxPool": opdef(
+        "MaxPool", OpKind.OUT_ELEMWISE_FUSABLE, _layout_pool_rule, _in_data_layout(_max_pool)
+    ),
+    "AveragePool": opdef(
+        "AveragePool", OpKind.OUT_ELEMWISE_FUSABLE, _layout_pool_rule, _in_data_layout(_avg_pool)
+    ),
     "LpPool": opdef("LpPool", OpKind.OUT_ELEMWISE_FUSABLE, _pool_rule, _lp_pool),
     "MatMul": opdef("MatMul", OpKind.OUT_ELEMWISE_FUSABLE, _matmul_rule, _matmul),
     "Gemm": opdef("Gemm", OpKind.OUT_ELEMWISE_FUSABLE, _gemm_rule, _gemm),
