@@ -17,7 +17,7 @@ import numpy as np
 
 from compiler_core import te
 from compiler_core.codegen import llvm as codegen
-from compiler_core.codegen.native import emit_object
+from compiler_core.codegen.native import compile_kernels, emit_object
 from compiler_core.graph.ir import Graph, TensorType
 from compiler_core.kernels import KERNELS, KernelContext, KernelError
 from compiler_core.kernels.schedules import StageInfo, default_schedule
@@ -192,6 +192,12 @@ def layout_weights(graph: Graph, kernels: Sequence[GroupKernel]) -> WeightsLayou
     return WeightsLayout(offsets, b"".join(chunks))
 
 
+def _declare_kernel(module: ir.Module, kernel: GroupKernel) -> ir.Function:
+    """A kernel defined in another object: void kernel(ptr, ptr, ...)."""
+    arity = len(kernel.inputs) + len(kernel.outputs)
+    return ir.Function(module, ir.FunctionType(ir.VoidType(), [codegen.PTR] * arity), kernel.symbol)
+
+
 def emit_entry(
     module: ir.Module,
     graph: Graph,
@@ -218,7 +224,7 @@ def emit_entry(
         return b.gep(workspace, [i64(memory.offsets[value])], source_etype=ir.IntType(8))
 
     for kernel in kernels:
-        fn = module.globals[kernel.symbol]
+        fn = module.globals.get(kernel.symbol) or _declare_kernel(module, kernel)
         b.call(fn, [pointer(value) for value in kernel.inputs + kernel.outputs])
     memcpy = ir.Function(
         module,
@@ -244,7 +250,7 @@ class CompiledModel:
     kernels: list[GroupKernel]
     memory: MemoryPlan
     weights: WeightsLayout
-    object_code: bytes
+    objects: list[bytes]  # the entry function's, then one per distinct kernel
     compile_seconds: float
 
     def kernel_key(self, kernel: GroupKernel) -> str:
@@ -272,11 +278,14 @@ def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None 
         kernels.append(build_group(graph, group, index, override))
     memory = plan_memory(graph, kernels)
     weights = layout_weights(graph, kernels)
-    module = codegen.build_module(dedupe(kernels), target, name=graph.name)
-    emit_entry(module, graph, kernels, memory, weights)
-    obj = emit_object(module, target)
+    distinct = dedupe(kernels)  # first: the entry calls each kernel's shared function
+    entry = ir.Module(name=f"{graph.name}_entry")
+    entry.triple = target.triple
+    emit_entry(entry, graph, kernels, memory, weights)
+    # One module per distinct kernel, so that they can be built in parallel.
+    objects = [emit_object(entry, target), *compile_kernels(distinct, target)]
     return CompiledModel(
-        graph, target, kernels, memory, weights, obj, time.perf_counter() - started
+        graph, target, kernels, memory, weights, objects, time.perf_counter() - started
     )
 
 

@@ -141,7 +141,7 @@ def compile_graph(
     started = time.perf_counter()
     compiled = build_graph(graph, target)
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
-        library = link_shared([compiled.object_code], Path(tmp) / "model.so").read_bytes()
+        library = link_shared(compiled.objects, Path(tmp) / "model.so").read_bytes()
     compiled.compile_seconds = time.perf_counter() - started
     archive = ModuleArchive(_members(compiled, library, model_sha))
     manifest = archive.manifest

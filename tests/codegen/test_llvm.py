@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from compiler_core import te
+from compiler_core.codegen import native
 from compiler_core.codegen.llvm import build_module
 from compiler_core.codegen.native import emit_assembly, emit_object, link_shared
 from compiler_core.loop import interpreter
@@ -49,8 +50,8 @@ def random_args(func: PrimFunc, seed=0):
     return args
 
 
-def assert_native_matches_interpreter(funcs, tmp_path, rtol=1e-5, atol=1e-5):
-    lib = compile_funcs(funcs, tmp_path)
+def assert_native_matches_interpreter(funcs, tmp_path, rtol=1e-5, atol=1e-5, lib=None):
+    lib = lib or compile_funcs(funcs, tmp_path)
     for func in funcs:
         expected = random_args(func)
         actual = {k: v.copy() for k, v in expected.items()}
@@ -129,6 +130,17 @@ def elementwise_kernels():
 
 def test_math_casts_and_gathers_in_vector_and_scalar_form(tmp_path):
     assert_native_matches_interpreter(elementwise_kernels(), tmp_path, rtol=2e-5, atol=1e-5)
+
+
+def test_kernels_built_by_helper_processes_match_the_interpreter(tmp_path):
+    """compile_kernels hands every other kernel to a helper process: the objects it returns
+    come back in order and link into one library that computes what the interpreter does."""
+    funcs = elementwise_kernels()
+    assert len(funcs) >= native.PARALLEL_MIN_KERNELS
+    objects = native.compile_kernels(funcs, TARGET, workers=2)
+    assert len(objects) == len(funcs) and all(objects)
+    library = KernelLibrary(link_shared(objects, tmp_path / "parallel.so"))
+    assert_native_matches_interpreter(funcs, tmp_path, rtol=2e-5, atol=1e-5, lib=library)
 
 
 def test_vector_loop_emits_512_bit_fma_on_avx512_hosts():
