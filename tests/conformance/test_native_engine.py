@@ -49,6 +49,8 @@ NATIVE_MUST_PASS = (
     "test_gru_seq_length",
     "test_simple_rnn_bidirectional",
     "test_rnn_seq_length",
+    "test_linear_attention_gated_delta_gqa",
+    "test_linear_attention_prefill_with_past",
 )
 
 
