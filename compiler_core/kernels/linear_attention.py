@@ -85,6 +85,8 @@ class _LinearAttention:
             return decayed[(b, h, i, j)] + self.key_at(b, h, t, i) * written
 
         updated = self.stage(self.state_shape, update)
+        # Kept in memory: inlined, every step would recompute all the steps before it.
+        self.ctx.note(updated.name, materialize=True)
 
         def output_body(b, hq, j):
             i = reduce_axis(self.d_k, "rq")

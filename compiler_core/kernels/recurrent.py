@@ -3,10 +3,11 @@
 Tensor expressions have no loop-carried state, but the sequence length is static: the builder
 unrolls the recurrence, one set of stages per time step and direction (the hidden-state
 product is a reduction stage; the gates and the state update are elementwise stages reading
-the previous step's state). The input projection of every step is one reduction stage per
-direction. Everything runs in float64, as the reference does; batch entries past their
-`sequence_lens` keep their state and emit zeros, and a reverse direction walks each entry's
-own prefix backwards.
+the previous step's state, which is kept in memory (noted `materialize`) so that the default
+schedule does not inline the whole chain into each step). The input projection of
+every step is one reduction stage per direction. Everything runs in float64, as the reference
+does; batch entries past their `sequence_lens` keep their state and emit zeros, and a reverse
+direction walks each entry's own prefix backwards.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ ACTIVATIONS: dict[str, Callable[[Expr, float, float], Expr]] = {
 }
 
 
+class _Inline:
+    """An elementwise intermediate read like a tensor, `value[(b, j)]`, but substituted."""
+
+    def __init__(self, body: Callable[..., Expr]):
+        self.body = body
+
+    def __getitem__(self, index) -> Expr:
+        return self.body(*index)
+
+
 class _Recurrence:
     def __init__(self, ctx: KernelContext, node: Node):
         self.ctx, self.node = ctx, node
@@ -71,6 +82,19 @@ class _Recurrence:
 
     def stage(self, shape, body, dtype=F64) -> Tensor:
         return compute(shape, body, self.ctx.stage_name(self.node), dtype)
+
+    def inline(self, shape, body) -> _Inline:
+        """An intermediate the default schedule would inline anyway: built as an expression
+        directly, it spares the schedule one stage to inline (and verify) per use."""
+        return _Inline(body)
+
+    def kept_stage(self, shape, body) -> Tensor:
+        """A stage the default schedule keeps in memory instead of inlining: inlining the
+        state chain would copy each step's expression into every read of it (exponential in
+        the number of steps for an LSTM's cell state)."""
+        tensor = self.stage(shape, body)
+        self.ctx.note(tensor.name, materialize=True)
+        return tensor
 
     # --- indexing -----------------------------------------------------------------------------
 
@@ -158,7 +182,7 @@ class _Recurrence:
         for s in range(self.steps):
             new = cell(d, s, projected, states, acts)
             states = [
-                self.stage(
+                self.kept_stage(
                     (self.batch, self.hidden),
                     lambda b, j, n=n, o=o, s=s: Select(
                         Const(s, INDEX) < self.length(b), n[(b, j)], o[(b, j)]
@@ -180,7 +204,7 @@ class _Recurrence:
         hh = self.recurrent_product(d, h, 0, self.hidden)
         (f,) = acts
         return [
-            self.stage(
+            self.inline(
                 (self.batch, self.hidden), lambda b, j: f(self.gate(d, s, projected, hh, 0, b, j))
             )
         ]
@@ -190,10 +214,10 @@ class _Recurrence:
         f, g = acts
         hidden = self.hidden
         hh = self.recurrent_product(d, h, 0, 3 * hidden)
-        z = self.stage(
+        z = self.inline(
             (self.batch, hidden), lambda b, j: f(self.gate(d, s, projected, hh, 0, b, j))
         )
-        r = self.stage(
+        r = self.inline(
             (self.batch, hidden), lambda b, j: f(self.gate(d, s, projected, hh, 1, b, j))
         )
         dd = Const(d, INDEX)
@@ -212,9 +236,9 @@ class _Recurrence:
                 x_h = projected[(Const(s, INDEX), b, row)] + self.bias_at(dd, row, False)
                 return g(x_h + reset_product[(b, j)] + self.bias_at(dd, row, True))
 
-        candidate = self.stage((self.batch, hidden), candidate_at)
+        candidate = self.inline((self.batch, hidden), candidate_at)
         return [
-            self.stage(
+            self.inline(
                 (self.batch, hidden),
                 lambda b, j: (_c(1.0) - z[(b, j)]) * candidate[(b, j)] + z[(b, j)] * h[(b, j)],
             )
@@ -245,13 +269,13 @@ class _Recurrence:
                 forget = f(self.gate(d, s, projected, hh, 2, b, j) + peephole(2, b, j, c[(b, j)]))
             return forget * c[(b, j)] + i * g(self.gate(d, s, projected, hh, 3, b, j))
 
-        cell = self.stage((self.batch, hidden), new_cell)
+        cell = self.inline((self.batch, hidden), new_cell)
 
         def new_hidden(b, j):
             o = f(self.gate(d, s, projected, hh, 1, b, j) + peephole(1, b, j, cell[(b, j)]))
             return o * act_h(cell[(b, j)])
 
-        return [self.stage((self.batch, hidden), new_hidden), cell]
+        return [self.inline((self.batch, hidden), new_hidden), cell]
 
 
 def _select_step(steps: list[Tensor], step: Expr, b, j) -> Expr:

@@ -54,17 +54,20 @@ def _largest_divisor(n: int, candidates) -> int:
 
 
 def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[StageInfo]]:
-    """Inline every pure intermediate stage, except padding that feeds a convolution with
-    enough arithmetic per input value to pay for a copy without bounds tests. A depthwise conv
-    has too little: it reads its padding through bounds tests rather than a copy of its input."""
+    """Inline every pure intermediate stage, except the ones a builder asks to keep and padding
+    that feeds a convolution with enough arithmetic per input value to pay for a copy without
+    bounds tests. A depthwise conv has too little: it reads its padding through bounds tests
+    rather than a copy of its input."""
     depthwise_reads = {
         read for s in stages if s.note("layout") == "nchwc_depthwise" for read in s.reads
     }
     records, kept = [], []
     for s in stages:
         keep_padding = s.name.startswith("pad") and s.name not in depthwise_reads
-        # A rank-0 stage is a single store with no loop nest to inline: it stays as it is.
-        if s.pure and not s.output and not keep_padding and s.shape:
+        # A rank-0 stage is a single store with no loop nest to inline: it stays as it is. A
+        # builder notes `materialize` on a stage read many times over (a recurrence's state).
+        keep = keep_padding or not s.shape or s.note("materialize", False)
+        if s.pure and not s.output and not keep:
             records.append(ComputeInline(s.name))
         else:
             kept.append(s)
