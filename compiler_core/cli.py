@@ -9,11 +9,19 @@ kiln compile model.onnx [--target llvm] [--shape x=1,784] -o model.kiln
     native code for the whole model, in one module archive
 kiln run model.kiln [--input name=file.npy ...] [--repeat N]
     load the archive and run it (random inputs where none are given): outputs and latency
+
+The services (each a process of its own; see the README):
+kiln serve [--api-port 8000] [--runtime-port 8001] [--data-dir DIR]
+    api + one worker + runtime server on loopback, in the foreground
+kiln worker [-Q QUEUES] [--concurrency N]     a Celery worker for this machine's CPU queues
+kiln api [--host H] [--port P]                the HTTP api
+kiln runtime [--host H] [--port P]            the inference server (Open Inference Protocol)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -202,7 +210,11 @@ def _print_profile(rows: list[tuple[str, float]], top: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="Kiln inference compiler")
+    parser = argparse.ArgumentParser(
+        prog="kiln",
+        description="Kiln inference compiler",
+        epilog="services: kiln serve | worker | api | runtime (each with --help)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect = sub.add_parser("inspect", help="print the graph before/after the pass pipeline")
@@ -244,7 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The services run as processes of their own, started by module name: the compiler never
+# imports the service layer.
+SERVICE_COMMANDS = {
+    "serve": ["tuner_workers", "serve"],
+    "worker": ["tuner_workers", "worker"],
+    "api": ["api"],
+    "runtime": ["runtime_server"],
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICE_COMMANDS:
+        command = [sys.executable, "-m", *SERVICE_COMMANDS[argv[0]], *argv[1:]]
+        os.execv(sys.executable, command)
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -26,11 +26,18 @@ COMPILER_VERSION = "0.1.0"
 VERIFY_RTOL, VERIFY_ATOL = 1e-4, 1e-5
 
 
-class ModuleArchive:
-    """A compiled model: its archive members, in memory."""
+# Archive members carry a fixed timestamp: an archive is a pure function of its inputs, so the
+# same model, target and options give byte-identical archives (and the same store digest).
+ZIP_DATE_TIME = (1980, 1, 1, 0, 0, 0)
 
-    def __init__(self, members: dict[str, bytes]):
+
+class ModuleArchive:
+    """A compiled model: its archive members, in memory. `compile_seconds` is reported beside
+    the archive, not inside it, for the same reason as the fixed timestamps."""
+
+    def __init__(self, members: dict[str, bytes], compile_seconds: float | None = None):
         self.members = members
+        self.compile_seconds = compile_seconds
 
     @property
     def manifest(self) -> dict:
@@ -40,7 +47,10 @@ class ModuleArchive:
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
             for name in ("manifest.json", *MEMBERS):
-                archive.writestr(name, self.members[name])
+                info = zipfile.ZipInfo(name, date_time=ZIP_DATE_TIME)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                info.external_attr = 0o644 << 16
+                archive.writestr(info, self.members[name])
         return buffer.getvalue()
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -120,7 +130,6 @@ def _members(compiled: CompiledModel, library: bytes, model_sha: str) -> dict[st
             "workspace_bytes": compiled.memory.workspace_bytes,
             "naive_bytes": compiled.memory.naive_bytes,
         },
-        "compile_seconds": round(compiled.compile_seconds, 3),
         "members": {name: sha256(data) for name, data in members.items()},
     }
     members["manifest.json"] = json.dumps(manifest, indent=1).encode()
@@ -143,13 +152,21 @@ def compile_graph(
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
         library = link_shared(compiled.objects, Path(tmp) / "model.so").read_bytes()
     compiled.compile_seconds = time.perf_counter() - started
-    archive = ModuleArchive(_members(compiled, library, model_sha))
-    manifest = archive.manifest
-    manifest["verification"] = (
-        _verification(archive, graph) if verify else {"oracle": None, "passed": None}
-    )
-    archive.members["manifest.json"] = json.dumps(manifest, indent=1).encode()
-    return archive
+    archive = ModuleArchive(_members(compiled, library, model_sha), compiled.compile_seconds)
+    if verify:
+        return attach_verification(archive, graph)
+    return _with_manifest(archive, verification={"oracle": None, "passed": None})
+
+
+def attach_verification(archive: ModuleArchive, graph: Graph) -> ModuleArchive:
+    """Run the archive against the reference executor and record the result in its manifest."""
+    return _with_manifest(archive, verification=_verification(archive, graph))
+
+
+def _with_manifest(archive: ModuleArchive, **fields) -> ModuleArchive:
+    manifest = {**archive.manifest, **fields}
+    members = {**archive.members, "manifest.json": json.dumps(manifest, indent=1).encode()}
+    return ModuleArchive(members, archive.compile_seconds)
 
 
 def compile(  # noqa: A001 - the documented entry point's name

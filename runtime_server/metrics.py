@@ -1,0 +1,80 @@
+"""Prometheus metrics of one runtime server app, in its own registry.
+
+An app-owned registry (not prometheus_client's global one) lets several apps live in one
+process, as the tests create them, without "duplicated timeseries" errors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+def outcome_of(status: int) -> str:
+    if status < 400:
+        return "success"
+    return "client_error" if status < 500 else "server_error"
+
+
+class Metrics:
+    def __init__(self, ready_count: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kiln_runtime_requests",
+            "HTTP requests by route template, method and outcome",
+            ["route", "method", "outcome"],
+            registry=self.registry,
+        )
+        self.inference_seconds = Histogram(
+            "kiln_runtime_inference_seconds",
+            "Time to run one inference, waiting for a free instance included",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.loaded_models = Gauge(
+            "kiln_runtime_loaded_models",
+            "Model versions loaded and ready",
+            registry=self.registry,
+        )
+        # Read at scrape time, so the gauge can never drift from the repository.
+        self.loaded_models.set_function(ready_count)
+
+    @contextmanager
+    def time_inference(self, model: str, version: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            self.inference_seconds.labels(model, version).observe(elapsed)
+
+
+class RequestCounter:
+    """ASGI middleware counting requests by route *template* (not the raw path), which keeps
+    the label set bounded whatever model names clients send."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # an exception escaping the app reaches the client as a 500
+
+        async def send_with_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(template, scope["method"], outcome_of(status)).inc()

@@ -1,0 +1,297 @@
+"""The model repository: loaded module archives by model name and version.
+
+Plain service code (no HTTP here). Each loaded version owns a pool of `Module` instances
+loaded from the same archive bytes; a request borrows one instance for the duration of one
+run, because a Module has a single workspace and two concurrent runs on it would corrupt each
+other's intermediates.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from artifact_store import BlobNotFound, CorruptBlob, InvalidDigest, StoreError
+from compiler_core.runtime import ArchiveError, InputError, Module, load
+from compiler_core.runtime.library import set_num_threads
+
+READY = "READY"
+UNAVAILABLE = "UNAVAILABLE"
+DEFAULT_VERSION = "1"
+
+# Names and versions travel in URL paths and metric labels: keep them to a plain alphabet.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+Signature = list[tuple[str, tuple[int, ...], np.dtype]]
+
+
+class RepositoryError(Exception):
+    """Base of the repository's errors; the HTTP layer maps each subclass to a status."""
+
+
+class ModelNotFound(RepositoryError):  # noqa: N818 (public API names)
+    """No model (or no such version of it) has ever been loaded under the name."""
+
+
+class ModelNotReady(RepositoryError):  # noqa: N818 (public API names)
+    """The model is known but the requested version is not loaded (unloaded or failed)."""
+
+
+class InvalidRequest(RepositoryError):  # noqa: N818 (public API names)
+    """A request the caller can fix: a bad name, version, artifact or inputs."""
+
+
+class ArtifactMissing(RepositoryError):  # noqa: N818 (public API names)
+    """The artifact named in a load request is not in the store."""
+
+
+class StoreUnavailable(RepositoryError):  # noqa: N818 (public API names)
+    """The store failed for a reason that is not the caller's (corrupt blob, unreachable)."""
+
+
+def version_key(version: str) -> tuple[int, int, str]:
+    """Order versions numerically when they are numbers, lexically otherwise (numbers first),
+    so "10" is later than "9" as Triton's integer versions are."""
+    if version.isdigit():
+        return (1, int(version), "")
+    return (0, 0, version)
+
+
+class InstancePool:
+    """N modules loaded from one archive; `borrow()` hands out one at a time per instance."""
+
+    def __init__(self, modules: list[Module], num_threads: int | None = None):
+        if not modules:
+            raise ValueError("an instance pool needs at least one module")
+        self.inputs: Signature = list(modules[0].inputs)
+        self.outputs: Signature = list(modules[0].outputs)
+        self.manifest: dict = dict(modules[0].manifest)
+        self.size = len(modules)
+        self._num_threads = num_threads
+        self._free: queue.Queue[Module] = queue.Queue()
+        for module in modules:
+            self._free.put(module)
+
+    @contextmanager
+    def borrow(self) -> Iterator[Module]:
+        module = self._free.get()
+        try:
+            yield module
+        finally:
+            self._free.put(module)
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with self.borrow() as module:
+            if self._num_threads:
+                # omp_set_num_threads is per calling thread: setting it when the module was
+                # loaded does not reach the worker threads that serve requests.
+                set_num_threads(self._num_threads)
+            try:
+                return module.run(inputs)
+            except InputError as err:
+                raise InvalidRequest(str(err)) from None
+
+
+@dataclass
+class ModelVersion:
+    """One version of a model: its artifact, and its pool while it is loaded."""
+
+    name: str
+    version: str
+    artifact: str
+    pool: InstancePool | None = None
+    reason: str = ""
+
+    @property
+    def state(self) -> str:
+        return READY if self.pool is not None else UNAVAILABLE
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        pool = self.pool
+        if pool is None:
+            raise ModelNotReady(_not_ready_message(self))
+        return pool.run(inputs)
+
+
+@dataclass
+class ModelMetadata:
+    name: str
+    version: str
+    versions: list[str]
+    inputs: Signature
+    outputs: Signature
+    manifest: dict = field(default_factory=dict)
+
+
+def _not_ready_message(entry: ModelVersion) -> str:
+    why = f": {entry.reason}" if entry.reason else ""
+    return f"model '{entry.name}' version '{entry.version}' is not ready{why}"
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidRequest(
+            f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' (at most 128)"
+        )
+    return name
+
+
+def check_version(version: str) -> str:
+    if not isinstance(version, str) or not _VERSION_RE.fullmatch(version):
+        raise InvalidRequest(
+            f"invalid model version {version!r}: use letters, digits, '.', '_' and '-'"
+        )
+    return version
+
+
+class ModelRepository:
+    """Models by name and version. Thread-safe: loads and requests may run concurrently."""
+
+    def __init__(self, store, instances: int = 2, num_threads: int | None = None):
+        if instances < 1:
+            raise ValueError("a loaded model needs at least one instance")
+        self._store = store
+        self._instances = instances
+        self._num_threads = num_threads
+        # name -> version -> entry. Entries stay after unload so a model can be reloaded by
+        # name and so the index can report it as UNAVAILABLE.
+        self._models: dict[str, dict[str, ModelVersion]] = {}
+        self._lock = threading.Lock()
+
+    # -- loading -------------------------------------------------------------------------
+
+    def load(self, name: str, artifact: str | None = None, version: str | None = None) -> None:
+        """Load `artifact` as `name`/`version`, or with no artifact reload what `name` had."""
+        check_name(name)
+        if artifact is None:
+            if version is not None:
+                check_version(version)
+            self._reload(name, version)
+            return
+        version = check_version(version or DEFAULT_VERSION)
+        pool = self._build_pool(artifact)
+        with self._lock:
+            versions = self._models.setdefault(name, {})
+            versions[version] = ModelVersion(name, version, artifact, pool)
+
+    def _reload(self, name: str, version: str | None) -> None:
+        with self._lock:
+            known = dict(self._models.get(name, {}))
+        if not known:
+            raise ModelNotFound(
+                f"model '{name}' is unknown: give parameters.artifact ('sha256:...') to load it"
+            )
+        if version is not None and version not in known:
+            raise ModelNotFound(f"model '{name}' has no version '{version}' to reload")
+        targets = [known[version]] if version is not None else list(known.values())
+        failures: list[RepositoryError] = []
+        for entry in targets:
+            try:
+                pool = self._build_pool(entry.artifact)
+            except RepositoryError as err:
+                # A version still loaded keeps serving (as Triton keeps a model whose reload
+                # failed); one that was not reports this reason in the index.
+                self._record_failure(entry, str(err))
+                failures.append(err)
+                continue
+            self._set_pool(entry, pool)
+        if failures:
+            # Raise the first failure's kind so the caller gets its status; name them all.
+            raise type(failures[0])("; ".join(str(err) for err in failures))
+
+    def _set_pool(self, entry: ModelVersion, pool: InstancePool) -> None:
+        with self._lock:
+            entry.pool = pool
+            entry.reason = ""
+
+    def _record_failure(self, entry: ModelVersion, reason: str) -> None:
+        with self._lock:
+            if entry.pool is None:
+                entry.reason = reason
+
+    def _build_pool(self, artifact: str) -> InstancePool:
+        data = self._fetch(artifact)
+        try:
+            modules = [load(data, self._num_threads) for _ in range(self._instances)]
+        except ArchiveError as err:
+            raise InvalidRequest(f"artifact {artifact} is not a module archive: {err}") from None
+        return InstancePool(modules, self._num_threads)
+
+    def _fetch(self, artifact: str) -> bytes:
+        if not isinstance(artifact, str):
+            raise InvalidRequest(f"artifact must be a 'sha256:<hex>' string, not {artifact!r}")
+        try:
+            return self._store.get_blob(artifact)
+        except InvalidDigest as err:
+            raise InvalidRequest(str(err)) from None
+        except BlobNotFound:
+            raise ArtifactMissing(f"artifact {artifact} is not in the artifact store") from None
+        except CorruptBlob as err:
+            raise StoreUnavailable(str(err)) from None
+        except StoreError as err:
+            raise StoreUnavailable(f"artifact store failed: {err}") from None
+
+    def unload(self, name: str) -> None:
+        """Unload every version of `name`. Requests already running finish on their instance:
+        they hold the pool, and the modules are freed when the last of them returns."""
+        with self._lock:
+            versions = self._models.get(name)
+            if not versions:
+                raise ModelNotFound(f"model '{name}' is unknown")
+            for entry in versions.values():
+                entry.pool = None
+                entry.reason = "unloaded"
+
+    # -- queries -------------------------------------------------------------------------
+
+    def index(self, ready_only: bool = False) -> list[dict]:
+        with self._lock:
+            entries = [e for versions in self._models.values() for e in versions.values()]
+        rows = [
+            {"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
+            for e in sorted(entries, key=lambda e: (e.name, version_key(e.version)))
+        ]
+        return [row for row in rows if row["state"] == READY] if ready_only else rows
+
+    def ready_count(self) -> int:
+        return sum(1 for row in self.index() if row["state"] == READY)
+
+    def get(self, name: str, version: str | None = None) -> ModelVersion:
+        """The READY version asked for; the latest READY one when `version` is None."""
+        with self._lock:
+            versions = dict(self._models.get(name, {}))
+        if not versions:
+            raise ModelNotFound(f"model '{name}' is unknown")
+        if version:
+            entry = versions.get(version)
+            if entry is None:
+                raise ModelNotFound(f"model '{name}' has no version '{version}'")
+            if entry.pool is None:
+                raise ModelNotReady(_not_ready_message(entry))
+            return entry
+        ready = [e for e in versions.values() if e.pool is not None]
+        if not ready:
+            reasons = sorted({e.reason for e in versions.values() if e.reason})
+            why = f" ({'; '.join(reasons)})" if reasons else ""
+            raise ModelNotReady(f"model '{name}' is not ready: no version is loaded{why}")
+        return max(ready, key=lambda e: version_key(e.version))
+
+    def metadata(self, name: str, version: str | None = None) -> ModelMetadata:
+        entry = self.get(name, version)
+        pool = entry.pool
+        if pool is None:  # unloaded between get() and here
+            raise ModelNotReady(_not_ready_message(entry))
+        ready = [row["version"] for row in self.index(ready_only=True) if row["name"] == name]
+        return ModelMetadata(name, entry.version, ready, pool.inputs, pool.outputs, pool.manifest)
+
+    def infer(
+        self, name: str, version: str | None, inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        return self.get(name, version).run(inputs)

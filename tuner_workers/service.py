@@ -1,0 +1,244 @@
+"""Compile jobs as service functions: the Celery tasks are thin shells over these.
+
+A job runs in stages (importing, tuning, building, verifying, storing), each recorded in the
+ledger with a progress event. A job is idempotent: its key is the sha256 of (model digest,
+target, options, compiler version), and a job whose key already has an artifact in the store
+finishes with that artifact. Module archives are byte-deterministic, so a job redone after a
+crash stores the very same blob.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+from tuner_workers.ledger import TERMINAL, Ledger
+
+log = logging.getLogger("kiln.worker")
+
+STAGES = ("importing", "tuning", "building", "verifying", "storing")
+MEASURE_RUNS = 20
+
+
+class JobStopped(Exception):  # noqa: N818 - a signal, not an error
+    pass
+
+
+def compiler_version() -> str:
+    from importlib.metadata import version
+
+    return version("kiln")
+
+
+def job_key(model_digest: str, target: str, options: dict, version: str) -> str:
+    text = json.dumps([model_digest, target, options, version], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def process_owner() -> str:
+    """Who runs a job: host and pid, so a restarted worker on the same host can tell that the
+    previous owner is gone without waiting for its lease to run out."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_is_dead(owner: str | None) -> bool:
+    if not owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class JobRun:
+    """One attempt at a job by one owner: stage bookkeeping, cancellation, heartbeats."""
+
+    def __init__(self, ledger: Ledger, job: dict, owner: str, heartbeat_seconds: float):
+        self.ledger, self.job, self.owner = ledger, job, owner
+        self.heartbeat_seconds = heartbeat_seconds
+        self._stop = threading.Event()
+
+    @contextlib.contextmanager
+    def heartbeating(self) -> Iterator[None]:
+        thread = threading.Thread(target=self._beat, name="kiln-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            if not self.ledger.heartbeat(self.job["id"], self.owner):
+                return
+
+    def stage(self, name: str, **detail) -> None:
+        current = self.ledger.get_job(self.job["id"])
+        if current is None or current["status"] == "cancelled":
+            raise JobStopped()
+        if current.get("owner") != self.owner:
+            raise JobStopped()  # taken over by another worker: let it finish
+        self.ledger.update_job(self.job["id"], stage=name, **detail)
+        self.event("stage", stage=name, **detail)
+        log.info("job %s: %s %s", self.job["id"], name, detail or "")
+
+    def event(self, kind: str, **fields) -> None:
+        self.ledger.append_event(self.job["id"], {"type": kind, **fields})
+
+    def finish(self, status: str, **fields) -> None:
+        job = self.ledger.update_job(self.job["id"], status=status, stage=status, **fields)
+        if job is not None:
+            self.event(status, **fields)
+
+
+def run_compile_job(
+    job_id: str, ledger: Ledger, store, settings, time_limit_errors: tuple = ()
+) -> dict | None:
+    """Run (or take up again) compile job `job_id`; returns its final record, or None when the
+    job is not this worker's to run (ended, cancelled, or held by a live owner).
+    `time_limit_errors`: the exceptions that mean the job ran past its soft time limit."""
+    job = ledger.get_job(job_id)
+    if job is None or job["status"] in TERMINAL:
+        return job
+    owner = process_owner()
+    claimed = ledger.claim_job(job_id, owner, settings.job_lease_seconds)
+    if claimed is None:
+        log.info("job %s is held by %s: not running it twice", job_id, job.get("owner"))
+        return None
+    run = JobRun(ledger, claimed, owner, settings.heartbeat_seconds)
+    with run.heartbeating():
+        try:
+            _compile_stages(run, store)
+        except JobStopped:
+            log.info("job %s cancelled or taken over", job_id)
+        except ValueError as err:  # the compiler's user errors: a model or option to fix
+            run.finish("failed", error=str(err))
+        except time_limit_errors:
+            limit = settings.compile_soft_time_limit
+            run.finish("failed", error=f"the job ran past its time limit of {limit} s")
+        except Exception as err:  # noqa: BLE001 - recorded on the job; the worker lives on
+            log.exception("job %s failed", job_id)
+            run.finish("failed", error=f"internal error: {type(err).__name__}: {err}")
+    return ledger.get_job(job_id)
+
+
+def _compile_stages(run: JobRun, store) -> None:
+    from compiler_core.compiler import attach_verification, compile_graph
+    from compiler_core.frontend.onnx import import_model
+    from compiler_core.passes.pipeline import optimize
+    from compiler_core.target import parse_target
+
+    job = run.job
+    known = _known_artifact(store, job["key"])
+    if known:
+        run.ledger.grant_artifact(job["tenant"], known)
+        run.finish("done", artifact=known, reused=True)
+        return
+    run.stage("importing")
+    target = parse_target(job["target"])
+    model = store.get_blob(job["model_digest"])
+    graph = optimize(import_model(model, shapes=job.get("shapes") or None))
+    run.stage("tuning", tasks_done=0, tasks_total=0, tuned=False)
+    run.stage("building", kernels=len(graph.nodes))
+    archive = compile_graph(graph, target, job["model_digest"].split(":")[-1], verify=False)
+    run.stage("verifying")
+    archive = attach_verification(archive, graph)
+    verification = archive.manifest["verification"]
+    if not verification["passed"]:
+        raise ValueError(
+            "the compiled module disagrees with the reference executor: max abs error "
+            f"{verification['max_abs_error']:.3g}"
+        )
+    latency_ms = _measure_latency(archive)
+    run.ledger.update_job(job["id"], best_latency_ms=latency_ms)
+    run.event("measured", latency_ms=latency_ms)
+    run.stage("storing")
+    digest = store.put_blob(archive.to_bytes())
+    store.put_manifest(
+        "artifacts",
+        digest,
+        {
+            "artifact": digest,
+            "model": job["model_digest"],
+            "target": job["target"],
+            "target_fingerprint": target.fingerprint,
+            "options": {"shapes": job.get("shapes"), "tuning": job.get("tuning")},
+            "job_key": job["key"],
+            "compiler_version": job["compiler_version"],
+            "compile_seconds": round(archive.compile_seconds or 0.0, 3),
+            "verification": verification,
+            "inputs": archive.manifest["inputs"],
+            "outputs": archive.manifest["outputs"],
+            "created": time.time(),
+        },
+    )
+    store.put_manifest("jobs", job["key"], {"artifact": digest})
+    run.ledger.grant_artifact(job["tenant"], digest)
+    run.finish("done", artifact=digest, verification=verification)
+
+
+def _known_artifact(store, key: str) -> str | None:
+    from artifact_store import ManifestNotFound
+
+    try:
+        digest = store.get_manifest("jobs", key)["artifact"]
+    except ManifestNotFound:
+        return None
+    return digest if store.has_blob(digest) else None
+
+
+def _measure_latency(archive) -> float:
+    """Median latency of the compiled module on random inputs, in milliseconds."""
+    import numpy as np
+
+    from compiler_core.runtime import load
+
+    module = load(archive)
+    rng = np.random.default_rng(0)
+    feeds = {
+        name: (rng.standard_normal(shape) if dtype.kind == "f" else np.zeros(shape)).astype(dtype)
+        for name, shape, dtype in module.inputs
+    }
+    module.run(feeds)
+    samples = []
+    for _ in range(MEASURE_RUNS):
+        started = time.perf_counter()
+        module.run(feeds)
+        samples.append(time.perf_counter() - started)
+    return round(float(np.median(samples)) * 1000, 4)
+
+
+def requeue_orphans(ledger: Ledger, lease_seconds: float, enqueue) -> list[str]:
+    """Give every orphaned job back to the queue once (`enqueue(job)` sends its message)."""
+    requeued = []
+    for job in orphaned_jobs(ledger, lease_seconds):
+        if ledger.release_job(job["id"], job.get("owner")) is not None:
+            ledger.append_event(job["id"], {"type": "requeued", "previous_owner": job["owner"]})
+            enqueue(job)
+            requeued.append(job["id"])
+    return requeued
+
+
+def orphaned_jobs(ledger: Ledger, lease_seconds: float) -> list[dict]:
+    """Running jobs whose owner is gone: a dead process on this host, or a lease run out."""
+    now = time.time()
+    return [
+        job
+        for job in ledger.active_jobs()
+        if job["status"] == "running"
+        and (owner_is_dead(job.get("owner")) or now - job.get("heartbeat", 0) > lease_seconds)
+    ]
