@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODELS ?= ../shared/models
 
-.PHONY: demo test lint conformance bench clean venv
+.PHONY: demo demo-offline test lint conformance bench bench-serve clean venv
 
 venv: $(STAMP)
 
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/python -m bench.demo --models resnet18 mlp
+
+demo-offline: $(STAMP)
 	$(BIN)/kiln inspect $(MODELS)/resnet18.onnx
 	$(BIN)/kiln verify $(MODELS)/encoder4.onnx
 	$(BIN)/kiln compile $(MODELS)/resnet18.onnx -o build/resnet18.kiln
@@ -33,6 +36,9 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+bench-serve: $(STAMP)
+	$(BIN)/python -m bench.serve
 
 conformance: $(STAMP)
 	$(BIN)/python -m tests.conformance.run_suite

@@ -1,8 +1,8 @@
 """The Open Inference Protocol (KServe v2 REST) server: thin routes over the repository.
 
-Status codes follow Triton, the protocol's reference server: 404 for an unknown model, 503
-for a known model that is not loaded (Triton's UNAVAILABLE), 400 for a request the client
-must fix. The model-ready endpoint answers 400 for "not ready": the protocol says readiness
+Status codes: 404 for an unknown model, 400 for a request the client must fix, including
+inference on a known model that is not loaded (the client unloaded it or must load it first:
+a request error, never a 5xx), 503 only when the server itself cannot reach its store. The model-ready endpoint answers 400 for "not ready": the protocol says readiness
 is the status code itself, 200 for true and 4xx for false, and Triton uses 400.
 """
 
@@ -41,7 +41,7 @@ EXTENSIONS = ["binary_tensor_data", "model_repository"]
 ERROR_STATUS: dict[type[Exception], int] = {
     ModelNotFound: 404,
     ArtifactMissing: 404,
-    ModelNotReady: 503,
+    ModelNotReady: 400,
     StoreUnavailable: 503,
     InvalidRequest: 400,
     ProtocolError: 400,

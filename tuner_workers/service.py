@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from tuner_workers.ledger import TERMINAL, Ledger
 
@@ -60,7 +61,17 @@ def owner_is_dead(owner: str | None) -> bool:
         return True
     except PermissionError:
         return False
-    return False
+    return _is_zombie(int(pid))
+
+
+def _is_zombie(pid: int) -> bool:
+    """A killed pool process whose parent died too waits, as a zombie, for someone to reap it:
+    it still answers kill(pid, 0), but it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] == "Z"
 
 
 class JobRun:

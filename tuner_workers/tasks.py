@@ -20,6 +20,7 @@ from tuner_workers.ledger import Ledger, open_ledger
 from tuner_workers.settings import KilnSettings
 
 log = logging.getLogger("kiln.worker")
+ORPHAN_WATCH_SECONDS = 5.0
 
 
 class WorkerContext:
@@ -44,7 +45,8 @@ class WorkerContext:
     def watch_for_orphans(self) -> None:
         """Take up jobs whose worker died: at start (a restarted worker finds its
         predecessor's job) and then every half lease. The SQLite broker never redelivers a
-        fetched message, and Redis only after the visibility timeout: the ledger decides."""
+        fetched message, and Redis only after the visibility timeout: the ledger decides. A
+        dead owner on this host is seen at once; another host's, when its lease runs out."""
         lease = self.settings.job_lease_seconds
         while True:
             try:
@@ -53,7 +55,7 @@ class WorkerContext:
                     log.warning("took up orphaned jobs: %s", ", ".join(requeued))
             except Exception:  # noqa: BLE001 - the watcher must outlive a broker hiccup
                 log.exception("orphan watch failed")
-            if self.stop.wait(max(lease / 2, 0.5)):
+            if self.stop.wait(min(max(lease / 2, 0.5), ORPHAN_WATCH_SECONDS)):
                 return
 
 

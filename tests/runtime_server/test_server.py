@@ -209,7 +209,7 @@ def test_unload_then_infer_fails_and_reload_by_name(client, server):
     assert not client.is_model_ready("tiny_u")
     with pytest.raises(InferenceServerException) as err:
         client.infer("tiny_u", [json_input(X)])
-    assert err.value.status() == "503"
+    assert err.value.status() == "400"
     assert "tiny_u" in err.value.message() and "not ready" in err.value.message()
     rows = {(r["name"], r["version"]): r for r in client.get_model_repository_index()}
     assert rows[("tiny_u", "1")]["state"] == "UNAVAILABLE"
