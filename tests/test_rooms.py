@@ -1,0 +1,26 @@
+"""The rooms' import rules (DESIGN §2): the api never imports the compiler, and the artifact
+store imports nothing of ours."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def loaded_after(statement: str) -> set[str]:
+    probe = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
+    output = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    return set(output.split())
+
+
+def test_the_api_does_not_import_the_compiler():
+    modules = loaded_after("import api.app, api.routes, api.services")
+    assert not {m for m in modules if m.split(".")[0] in ("compiler_core", "llvmlite", "lightgbm")}
+
+
+def test_the_artifact_store_imports_nothing_of_ours():
+    modules = loaded_after("import artifact_store")
+    ours = ("compiler_core", "api", "tuner_workers", "runtime_server")
+    assert not {m for m in modules if m.split(".")[0] in ours}
