@@ -16,6 +16,7 @@ kiln serve [--api-port 8000] [--runtime-port 8001] [--data-dir DIR]
 kiln worker [-Q QUEUES] [--concurrency N]     a Celery worker for this machine's CPU queues
 kiln api [--host H] [--port P]                the HTTP api
 kiln runtime [--host H] [--port P]            the inference server (Open Inference Protocol)
+kiln gc [--grace SECONDS] [--dry-run]         delete store blobs no manifest references
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln",
         description="Kiln inference compiler",
-        epilog="services: kiln serve | worker | api | runtime (each with --help)",
+        epilog="services: kiln serve | worker | api | runtime | gc (each with --help)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -261,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 SERVICE_COMMANDS = {
     "serve": ["tuner_workers", "serve"],
     "worker": ["tuner_workers", "worker"],
+    "gc": ["tuner_workers", "gc"],
     "api": ["api"],
     "runtime": ["runtime_server"],
 }

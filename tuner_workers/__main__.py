@@ -1,6 +1,7 @@
 """`python -m tuner_workers worker [-Q QUEUES] [--concurrency N]` runs a Celery worker on the
 queues of this machine's CPU; `python -m tuner_workers serve ...` runs the whole platform
-(see `tuner_workers.serve`). `kiln worker` and `kiln serve` call these."""
+(see `tuner_workers.serve`); `python -m tuner_workers gc` collects unreferenced blobs.
+`kiln worker`, `kiln serve` and `kiln gc` call these."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def run_worker(args) -> int:
     return 0
 
 
+def run_gc(args) -> int:
+    """Mark and sweep the artifact store: blobs no manifest references, older than the grace
+    period (uploads and jobs between their blob and their manifest are younger)."""
+    from tuner_workers.settings import KilnSettings
+
+    report = KilnSettings().store().gc(grace_seconds=args.grace, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(
+        f"kept {report.kept} referenced blobs, {len(report.young)} young unreferenced ones; "
+        f"{verb} {len(report.deleted)} ({report.freed_bytes} bytes)"
+    )
+    for digest in report.deleted:
+        print(f"  {digest}")
+    return 0
+
+
 def run_serve(args) -> int:
     from tuner_workers.serve import serve
 
@@ -46,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=int, default=None)
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(run=run_worker)
+    gc = sub.add_parser("gc", help="delete blobs that no manifest references")
+    gc.add_argument("--grace", type=float, default=24 * 3600, help="seconds (default a day)")
+    gc.add_argument("--dry-run", action="store_true")
+    gc.set_defaults(run=run_gc)
     serve = sub.add_parser("serve", help="api + worker + runtime server on one machine")
     add_serve_arguments(serve)
     serve.set_defaults(run=run_serve)
