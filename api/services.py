@@ -168,6 +168,13 @@ class Platform:
             raise ApiError(409, "Conflict", f"the name {request.name!r} is taken")
         body = {"parameters": {"artifact": request.artifact, "version": request.version}}
         await self._runtime("POST", f"/v2/repository/models/{request.name}/load", body)
+        # Every runtime replica converges on these manifests (runtime_server/sync.py); they
+        # also keep the deployed artifact from garbage collection.
+        self.store.put_manifest(
+            "deployments",
+            f"{request.name}/{request.version}",
+            {"name": request.name, "version": request.version, "artifact": request.artifact},
+        )
         record = {
             "name": request.name,
             "version": request.version,
@@ -190,6 +197,9 @@ class Platform:
 
     async def undeploy(self, tenant: str, name: str) -> dict:
         record = self.deployment(tenant, name)
+        for key in self.store.list_manifests("deployments"):
+            if key.split("/")[0] == name:
+                self.store.delete_manifest("deployments", key)
         await self._runtime("POST", f"/v2/repository/models/{name}/unload", {})
         self.ledger.delete_deployment(name, tenant)
         return record

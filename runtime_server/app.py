@@ -2,12 +2,14 @@
 
 Status codes: 404 for an unknown model, 400 for a request the client must fix, including
 inference on a known model that is not loaded (the client unloaded it or must load it first:
-a request error, never a 5xx), 503 only when the server itself cannot reach its store. The model-ready endpoint answers 400 for "not ready": the protocol says readiness
-is the status code itself, 200 for true and 4xx for false, and Triton uses 400.
+a request error, never a 5xx), 503 only when the server itself cannot reach its store. The
+model-ready endpoint answers 400 for "not ready": the protocol says readiness is the status
+code itself, 200 for true and 4xx for false, and Triton uses 400.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -33,6 +35,7 @@ from runtime_server.repository import (
     StoreUnavailable,
 )
 from runtime_server.settings import RuntimeSettings
+from runtime_server.sync import DeploymentSync
 
 SERVER_NAME = "kiln"
 PLATFORM = "kiln_native"
@@ -263,7 +266,19 @@ def create_app(
         repository = ModelRepository(
             settings.store(), settings.runtime_instances, settings.num_threads
         )
-    app = FastAPI(title="Kiln runtime server", version=server_version())
+    store = repository.store if settings.runtime_sync_seconds > 0 else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        sync = None
+        if store is not None:
+            sync = DeploymentSync(repository, store, settings.runtime_sync_seconds)
+            await run_in_threadpool(sync.start)
+        yield
+        if sync is not None:
+            sync.stop()
+
+    app = FastAPI(title="Kiln runtime server", version=server_version(), lifespan=lifespan)
     app.state.settings = settings
     app.state.repository = repository
     app.state.metrics = Metrics(repository.ready_count)

@@ -12,7 +12,7 @@ import queue
 import re
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -163,7 +163,12 @@ class ModelRepository:
         # name -> version -> entry. Entries stay after unload so a model can be reloaded by
         # name and so the index can report it as UNAVAILABLE.
         self._models: dict[str, dict[str, ModelVersion]] = {}
+        self._synced: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+
+    @property
+    def store(self):
+        return self._store
 
     # -- loading -------------------------------------------------------------------------
 
@@ -238,16 +243,40 @@ class ModelRepository:
         except StoreError as err:
             raise StoreUnavailable(f"artifact store failed: {err}") from None
 
-    def unload(self, name: str) -> None:
-        """Unload every version of `name`. Requests already running finish on their instance:
-        they hold the pool, and the modules are freed when the last of them returns."""
+    def unload(self, name: str, version: str | None = None) -> None:
+        """Unload `version` of `name`, or every version. Requests already running finish on
+        their instance: they hold the pool, and the modules are freed when the last of them
+        returns."""
         with self._lock:
             versions = self._models.get(name)
             if not versions:
                 raise ModelNotFound(f"model '{name}' is unknown")
-            for entry in versions.values():
+            if version is not None and version not in versions:
+                raise ModelNotFound(f"model '{name}' has no version '{version}'")
+            for entry in versions.values() if version is None else [versions[version]]:
                 entry.pool = None
                 entry.reason = "unloaded"
+
+    def sync(self, wanted: Mapping[tuple[str, str], str]) -> list[str]:
+        """Converge on the deployments the store lists, {(name, version): artifact}: load what
+        is missing or changed, unload what an earlier sync loaded and is no longer wanted
+        (models loaded through the repository API are left alone). Every replica of the
+        server runs this, so all of them serve every deployment. Returns what failed."""
+        failures = []
+        for (name, version), artifact in sorted(wanted.items()):
+            with self._lock:
+                entry = self._models.get(name, {}).get(version)
+            if entry is not None and entry.artifact == artifact and entry.pool is not None:
+                continue
+            try:
+                self.load(name, artifact, version)
+            except RepositoryError as err:
+                failures.append(f"{name}/{version}: {err}")
+        for name, version in sorted(self._synced - set(wanted)):
+            with suppress(ModelNotFound):
+                self.unload(name, version)
+        self._synced = set(wanted)
+        return failures
 
     # -- queries -------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""`kiln serve` on its own: a development key when none is configured, and a clean stop of
-all three processes on SIGINT or SIGTERM."""
+"""`kiln serve` on its own: a development key when none is configured, a clean stop of all
+three processes on SIGINT or SIGTERM, and deployments that survive a restart."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.http as triton
 
-from tests.e2e.platform import KILN, free_port, wait_until
+from tests.conftest import shared_model
+from tests.e2e.platform import KILN, free_port, kiln_serve, wait_until
 
 
 def children_of(pid: int) -> list[int]:
@@ -66,3 +69,19 @@ def test_serve_makes_a_dev_key_and_stops_cleanly(stop_signal, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_restarted_platform_still_serves_its_deployments(tmp_path):
+    with kiln_serve(tmp_path, "restart-key") as platform:
+        model = platform.upload(shared_model("mlp").read_bytes())
+        job = platform.wait_job(platform.compile(model["id"], {"x": [2, 784]})["id"])
+        platform.deploy(job["artifact"], "mlp")
+    with kiln_serve(tmp_path, "restart-key") as platform:
+        client = triton.InferenceServerClient(platform.runtime.removeprefix("http://"))
+        assert client.is_model_ready("mlp")
+        x = np.ones((2, 784), np.float32)
+        request = triton.InferInput("x", [2, 784], "FP32")
+        request.set_data_from_numpy(x)
+        probs = client.infer("mlp", [request]).as_numpy("probs")
+        np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-5)
+        assert platform.client.get("/v1/deployments/mlp").status_code == 200
