@@ -97,13 +97,53 @@ class Platform:
         return response.json()
 
 
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+
+
 @contextlib.contextmanager
-def kiln_serve(data_dir: Path, key: str, redis: str | None = None):
+def moto_s3(bucket: str = "kiln-e2e"):
+    """A real S3 endpoint (moto's server mode) on loopback, with one bucket: yields the
+    environment that points the platform's store at it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    try:
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        client.create_bucket(Bucket=bucket)
+        yield {
+            **S3_CREDENTIALS,
+            "KILN_STORE_URL": f"s3://{bucket}/platform",
+            "KILN_S3_ENDPOINT_URL": endpoint,
+        }
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def kiln_serve(data_dir: Path, key: str, redis: str | None = None, extra_env: dict | None = None):
     api_port, runtime_port = free_port(), free_port()
     env = dict(os.environ, KILN_API_KEYS=f"tests:{key}", KILN_NUM_THREADS="1")
     env.pop("KILN_REDIS_URL", None)
+    env.pop("KILN_STORE_URL", None)
     if redis:
         env["KILN_REDIS_URL"] = redis
+    env.update(extra_env or {})
     log = data_dir / "serve.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     command = [KILN, "serve", "--api-port", str(api_port), "--runtime-port", str(runtime_port)]

@@ -1,5 +1,6 @@
-"""End to end over HTTP, on the embedded default and on Redis: `kiln serve`, upload ->
-compile -> deploy -> infer with tritonclient; outputs match ONNX Runtime."""
+"""End to end over HTTP, on the embedded default (SQLite broker and ledger, filesystem store)
+and on the shared setup (Redis broker and ledger, S3 store on moto's server): `kiln serve`,
+upload -> compile -> deploy -> infer with tritonclient; outputs match ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import pytest
 import tritonclient.http as triton
 
 from tests.conftest import shared_model
-from tests.e2e.platform import kiln_serve, redis_url
+from tests.e2e.platform import kiln_serve, moto_s3, redis_url
 
 CASES = [("mlp", "x", [1, 784]), ("resnet18", "input", [1, 3, 224, 224])]
 
 
-@pytest.fixture(scope="module", params=["embedded", "redis"])
+@pytest.fixture(scope="module", params=["embedded", "redis+s3"])
 def platform(request, tmp_path_factory):
-    redis = redis_url(12) if request.param == "redis" else None
-    with kiln_serve(tmp_path_factory.mktemp(request.param), "e2e-key", redis) as served:
+    data_dir = tmp_path_factory.mktemp(request.param.replace("+", "-"))
+    if request.param == "embedded":
+        with kiln_serve(data_dir, "e2e-key") as served:
+            yield served
+        return
+    with moto_s3() as s3_env, kiln_serve(data_dir, "e2e-key", redis_url(12), s3_env) as served:
         yield served
+    assert not (data_dir / "store").exists()  # everything went to S3
 
 
 @pytest.mark.parametrize("name,input_name,shape", CASES, ids=[c[0] for c in CASES])
