@@ -73,7 +73,7 @@ def responses(*statuses: int) -> dict:
         502: "The runtime server refused",
         503: "A backing service is unavailable",
     }
-    return {
-        status: {"model": Problem, "description": titles[status], "content": {PROBLEM_TYPE: {}}}
-        for status in statuses
-    }
+    # The schema goes under problem+json itself: with `model=Problem`, FastAPI would document
+    # it as application/json, a media type these answers never have.
+    content = {PROBLEM_TYPE: {"schema": Problem.model_json_schema()}}
+    return {status: {"description": titles[status], "content": content} for status in statuses}

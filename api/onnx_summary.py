@@ -43,9 +43,20 @@ def read_model(path: Path) -> onnx.ModelProto:
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InvalidModelError(f"invalid ONNX model: {first}") from None
+        raise InvalidModelError(f"invalid ONNX model: {_checker_message(err)}") from None
     return model
+
+
+def _checker_message(err: Exception) -> str:
+    """The checker's first line, with its context line when there is one: the context names
+    the node (`Bad node spec for node. Name: n1 OpType: Foo`)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    context = next((line for line in lines[1:] if line.startswith("==> Context:")), None)
+    if context is None:
+        return lines[0]
+    return f"{lines[0]} ({context.removeprefix('==> Context:').strip()[:300]})"
 
 
 def describe(model: onnx.ModelProto) -> dict:

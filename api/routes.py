@@ -67,7 +67,7 @@ async def _upload_chunks(request: Request):
     status_code=201,
     response_model=schemas.ModelInfo,
     openapi_extra=ONNX_BODY,
-    responses=responses(401, 413, 415, 422),
+    responses=responses(400, 401, 413, 415, 422),
 )
 async def upload_model(
     request: Request,
@@ -88,7 +88,9 @@ def list_models(tenant: Tenant, platform: PlatformDep):
     return {"models": platform.ledger.list_models(tenant)}
 
 
-@router.get("/models/{model_id}", response_model=schemas.ModelInfo, responses=responses(401, 404))
+@router.get(
+    "/models/{model_id}", response_model=schemas.ModelInfo, responses=responses(401, 404, 422)
+)
 def get_model(model_id: ModelId, tenant: Tenant, platform: PlatformDep):
     return platform.model(tenant, model_id)
 
@@ -97,7 +99,7 @@ def get_model(model_id: ModelId, tenant: Tenant, platform: PlatformDep):
     "/compilations",
     status_code=202,
     response_model=schemas.Compilation,
-    responses=responses(401, 404, 422, 503),
+    responses=responses(400, 401, 404, 422, 503),
 )
 def create_compilation(
     body: schemas.CompilationRequest, response: Response, tenant: Tenant, platform: PlatformDep
@@ -114,7 +116,9 @@ def list_compilations(tenant: Tenant, platform: PlatformDep):
 
 
 @router.get(
-    "/compilations/{job_id}", response_model=schemas.Compilation, responses=responses(401, 404)
+    "/compilations/{job_id}",
+    response_model=schemas.Compilation,
+    responses=responses(401, 404, 422),
 )
 def get_compilation(job_id: JobId, tenant: Tenant, platform: PlatformDep):
     return platform.compilation(tenant, job_id)
@@ -123,7 +127,7 @@ def get_compilation(job_id: JobId, tenant: Tenant, platform: PlatformDep):
 @router.delete(
     "/compilations/{job_id}",
     response_model=schemas.Compilation,
-    responses=responses(401, 404, 409),
+    responses=responses(401, 404, 409, 422),
 )
 def cancel_compilation(job_id: JobId, tenant: Tenant, platform: PlatformDep):
     """Cancel a job that has not ended (a running job stops at its next stage)."""
@@ -134,7 +138,7 @@ def cancel_compilation(job_id: JobId, tenant: Tenant, platform: PlatformDep):
     "/compilations/{job_id}/events",
     responses={
         200: {"description": "Server-Sent Events", "content": {"text/event-stream": {}}},
-        **responses(401, 404),
+        **responses(401, 404, 422),
     },
 )
 async def compilation_events(
@@ -199,7 +203,7 @@ def artifact_manifest(digest: Digest, tenant: Tenant, platform: PlatformDep) -> 
     "/deployments",
     status_code=201,
     response_model=schemas.Deployment,
-    responses=responses(401, 404, 409, 422, 502, 503),
+    responses=responses(400, 401, 404, 409, 422, 502, 503),
 )
 async def create_deployment(body: schemas.DeploymentRequest, tenant: Tenant, platform: PlatformDep):
     """Make the runtime server load an artifact under a name and version."""

@@ -22,7 +22,10 @@ def queue_for_target(target: str) -> str:
     `llvm -mcpu=NAME` to `cpu.NAME`, consumed by workers whose CPU is NAME; `cuda -arch=sm_XY`
     to `cuda.sm_XY`. Raises ValueError for anything else.
     """
-    words = shlex.split(target)
+    try:
+        words = shlex.split(target)
+    except ValueError as err:  # an unclosed quote
+        raise ValueError(f"unsupported target {target!r}: {err}") from None
     if not words or words[0] not in ("llvm", "cuda"):
         raise ValueError(f"unsupported target {target!r}: expected 'llvm [-mcpu=NAME]' or 'cuda'")
     options = dict(word.partition("=")[::2] for word in words[1:])

@@ -65,7 +65,7 @@ def create_worker_app(settings: KilnSettings | None = None) -> Celery:
     context = WorkerContext(app, settings)
     app.kiln = context
 
-    @app.task(name=COMPILE_TASK)
+    @app.task(name=COMPILE_TASK, shared=False)
     def compile_job(job_id: str) -> dict | None:
         job = service.run_compile_job(
             job_id,
