@@ -158,19 +158,23 @@ async def compilation_events(
 
 
 async def _event_stream(platform, job_id: str, after: str | None):
-    idle = 0.0
+    """Events after `after`, as they are appended, until the job's final event. A job's
+    status turns final a moment before its final event is appended: once the status is final,
+    one more read after a poll interval picks that event up."""
+    idle, ending = 0.0, False
     while True:
         events = await run_in_threadpool(platform.ledger.read_events, job_id, after)
         for event_id, event in events:
             after = event_id
             yield f"id: {event_id}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n"
-        if events:
-            idle = 0.0
-        job = await run_in_threadpool(platform.ledger.get_job, job_id)
-        if job is None or (job["status"] in TERMINAL and not events):
+            if event["type"] in TERMINAL:
+                return
+        if ending:
             return
+        idle = 0.0 if events else idle + EVENT_POLL_SECONDS
+        job = await run_in_threadpool(platform.ledger.get_job, job_id)
+        ending = job is None or job["status"] in TERMINAL
         await asyncio.sleep(EVENT_POLL_SECONDS)
-        idle += EVENT_POLL_SECONDS
         if idle >= KEEPALIVE_SECONDS:
             idle = 0.0
             yield ": keep-alive\n\n"
