@@ -90,7 +90,19 @@ def group_outputs(graph: Graph, nodes) -> list[str]:
     return outputs
 
 
-def build_group(graph: Graph, group, index: int, schedule=None) -> GroupKernel:
+@dataclasses.dataclass
+class LoweredGroup:
+    """A fused group as tensor expressions lowered to loop IR, before any schedule."""
+
+    name: str
+    func: PrimFunc
+    inputs: list[str]
+    outputs: list[str]
+    packed: dict[str, np.ndarray]
+    stages: list[StageInfo]
+
+
+def lower_group(graph: Graph, group, index: int) -> LoweredGroup:
     nodes = [graph.node_by_name[name] for name in group.nodes]
     ctx = KernelContext(graph, f"g{index}")
     for node in nodes:
@@ -110,10 +122,23 @@ def build_group(graph: Graph, group, index: int, schedule=None) -> GroupKernel:
     name = _symbol(index, group.anchor, group.nodes[0])
     func = te.lower([t for _, t in ctx.inputs], out_tensors, name)
     stages = _stage_infos(ctx, out_tensors)
-    records = list(schedule) if schedule is not None else default_schedule(stages)
-    func = apply(func, records)
     inputs = [value for value, _ in ctx.inputs]
-    return GroupKernel(name, func, inputs, outputs, records, ctx.packed_arrays, stages)
+    return LoweredGroup(name, func, inputs, outputs, ctx.packed_arrays, stages)
+
+
+def build_group(graph: Graph, group, index: int, schedule=None) -> GroupKernel:
+    lowered = lower_group(graph, group, index)
+    records = list(schedule) if schedule is not None else default_schedule(lowered.stages)
+    func = apply(lowered.func, records)
+    return GroupKernel(
+        lowered.name,
+        func,
+        lowered.inputs,
+        lowered.outputs,
+        records,
+        lowered.packed,
+        lowered.stages,
+    )
 
 
 # --- memory planning ---------------------------------------------------------------------------

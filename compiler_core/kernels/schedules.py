@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 
 from compiler_core.schedule.primitives import (
     CacheWrite,
@@ -26,6 +27,10 @@ from compiler_core.schedule.primitives import (
 )
 
 VECTOR_LANES = 16
+VECTOR_REGISTERS = 32
+# A register tile of accumulators, plus a weight vector and a broadcast input, within the 32
+# vector registers.
+MAX_ACCUMULATORS = 28
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +146,20 @@ def conv_schedule(
     return records
 
 
-def nchwc_conv_schedule(conv: StageInfo, epilogue: StageInfo | None, tile: int) -> list[Record]:
+def nchwc_conv_schedule(
+    conv: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object]
+) -> list[Record]:
     """Conv writing NCHW[b]c: a row of `tile` output pixels x one b-channel block held in
     registers over the whole reduction (broadcast an input value, FMA with a weight vector);
-    the parallel loop is output-channel blocks x rows."""
+    the parallel loop is output-channel blocks x rows (x row tiles, with `parallel=mo_y_x`).
+    Knobs: tile, the reduction order (input-channel blocks or kernel taps outermost), whether
+    the kernel-width taps are unrolled, the parallel loops."""
     n_loop, mo_loop, y_loop, x_loop, mi_loop = (conv.loop(k) for k in range(5))
     reduce_loops = [name for name, _ in conv.reduce_axes]
-    tile = _largest_divisor(conv.shape[3], tuple(range(tile, 0, -1)))
+    if config["reduce_order"] == "taps_outer" and len(reduce_loops) == 4:
+        rco, rk0, rk1, rci = reduce_loops
+        reduce_loops = [rk0, rk1, rco, rci]
+    tile = int(config["tile"])
     records: list[Record] = [
         Split(x_loop, tile),
         Reorder((n_loop, mo_loop, y_loop, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i", mi_loop)),
@@ -156,10 +168,34 @@ def nchwc_conv_schedule(conv: StageInfo, epilogue: StageInfo | None, tile: int) 
         Unroll(f"{x_loop}_i"),
         *_vector_tile_io(conv),
     ]
+    kernel_width = next((loop for loop in reduce_loops if loop.endswith("_rk1")), None)
+    if config.get("unroll_kw") and kernel_width is not None:
+        records.append(Unroll(kernel_width))
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    records += [Fuse(mo_loop, y_loop), Parallel(f"{mo_loop}_{y_loop}_f")]
-    return records
+    records += [Fuse(mo_loop, y_loop)]
+    parallel = f"{mo_loop}_{y_loop}_f"
+    if config["parallel"] == "mo_y_x":
+        records.append(Fuse(parallel, f"{x_loop}_o"))
+        parallel = f"{parallel}_{x_loop}_o_f"
+    return [*records, Parallel(parallel)]
+
+
+def _nchwc_knobs(conv: StageInfo) -> tuple[Knob, ...]:
+    width = conv.shape[3]
+    default_tile = NCHWC_TILE if conv.note("layout") == "nchwc" else NCHWC_DEPTHWISE_TILE
+    default_tile = _largest_divisor(width, tuple(range(default_tile, 0, -1)))
+    tiles = tuple(t for t in range(1, MAX_ACCUMULATORS + 1) if width % t == 0)
+    knobs = [
+        Knob("tile", tiles, default_tile),
+        Knob("parallel", ("mo_y", "mo_y_x"), "mo_y"),
+        Knob("unroll_kw", (0, 1), 0),
+    ]
+    if len(conv.reduce_axes) == 4:
+        knobs.append(Knob("reduce_order", ("channels_outer", "taps_outer"), "channels_outer"))
+    else:
+        knobs.append(Knob("reduce_order", ("channels_outer",), "channels_outer"))
+    return tuple(knobs)
 
 
 # Output pixels per register tile: accumulators + a weight vector must fit the 32 registers.
@@ -167,30 +203,45 @@ NCHWC_TILE = 14
 NCHWC_DEPTHWISE_TILE = 8
 
 
-def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> list[Record]:
+def _gemm_rows(mm: StageInfo) -> tuple[int, bool]:
+    """(rows of the GEMM, whether the batch loops fold into the row loop)."""
     rank = len(mm.shape)
-    rows, cols = mm.shape[-2], mm.shape[-1]
+    if rank > 2 and sum(d > 1 for d in mm.shape[:-1]) <= 1:
+        return math.prod(mm.shape[:-1]), True
+    return mm.shape[-2], False
+
+
+def matmul_schedule(
+    mm: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object]
+) -> list[Record]:
+    """Register-tiled GEMM: an mr x nr tile of accumulators over the whole reduction
+    (broadcast A, load a vector of B's packed panel, FMA). Knobs: mr, nr, the order of the
+    row-tile and column-tile loops, and which of them runs in parallel."""
+    rank = len(mm.shape)
+    cols = mm.shape[-1]
     batch_loops = [mm.loop(k) for k in range(rank - 2)]
     i_loop, j_loop = mm.loop(rank - 2), mm.loop(rank - 1)
     ((k_loop, _),) = mm.reduce_axes
     records: list[Record] = []
-    row_dims = mm.shape[:-1]
-    if batch_loops and panel and sum(d > 1 for d in row_dims) <= 1:
+    rows, folded = _gemm_rows(mm)
+    if folded:
         # A shared (packed) weight, and the rows spread over one dimension only: every batch
         # row is just another row of one GEMM (the fused index stays affine).
         for loop in [*batch_loops[1:], i_loop]:
             records.append(Fuse(batch_loops[0], loop))
             batch_loops[0] = f"{batch_loops[0]}_{loop}_f"
         i_loop, batch_loops = batch_loops[0], []
-        rows = math.prod(mm.shape[:-1])
-    mr = _largest_divisor(rows, (12, 8, 6, 4, 3, 2))
-    nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
+    mr, nr = int(config["mr"]), int(config["nr"])
     records += [Split(i_loop, mr), Split(j_loop, nr)]
     inner_j = [f"{j_loop}_i"]
     if nr > VECTOR_LANES and nr % VECTOR_LANES == 0:
         records.append(Split(f"{j_loop}_i", VECTOR_LANES))
         inner_j = [f"{j_loop}_i_o", f"{j_loop}_i_i"]
-    order = (*batch_loops, f"{i_loop}_o", f"{j_loop}_o", k_loop, f"{i_loop}_i", *inner_j)
+    tiles = [f"{i_loop}_o", f"{j_loop}_o"]
+    extents = [rows // mr, -(-cols // nr)]
+    if config["order"] == "ji":
+        tiles, extents = tiles[::-1], extents[::-1]
+    order = (*batch_loops, *tiles, k_loop, f"{i_loop}_i", *inner_j)
     records += [Reorder(order), CacheWrite(mm.name, k_loop)]
     if nr >= 4:
         records += [Vectorize(inner_j[-1]), *_vector_tile_io(mm)]
@@ -199,12 +250,102 @@ def matmul_schedule(mm: StageInfo, epilogue: StageInfo | None, panel: int) -> li
     records.append(Unroll(f"{i_loop}_i"))
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    outer = [*batch_loops, f"{i_loop}_o", f"{j_loop}_o"]
-    extents = [*mm.shape[: len(batch_loops)], rows // mr, -(-cols // nr)]
+    outer = [*batch_loops, *tiles]
+    extents = [*mm.shape[: len(batch_loops)], *extents]
+    if config["parallel"] == "fused" and not batch_loops and min(extents) > 1:
+        records += [Fuse(*tiles), Parallel(f"{tiles[0]}_{tiles[1]}_f")]
+        return records
     parallel = next((loop for loop, e in zip(outer, extents, strict=True) if e > 1), None)
     if parallel is not None:
         records.append(Parallel(parallel))
     return records
+
+
+def _matmul_knobs(mm: StageInfo) -> tuple[Knob, ...]:
+    rows, _ = _gemm_rows(mm)
+    cols = mm.shape[-1]
+    panel = mm.note("panel") or 32
+    default_mr = _largest_divisor(rows, (12, 8, 6, 4, 3, 2))
+    default_nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
+    mrs = tuple(m for m in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16) if rows % m == 0)
+    nrs = tuple(sorted({n for n in (4, 8, 16, 32, 48, 64) if cols % n == 0} | {default_nr}))
+    return (
+        Knob("mr", tuple(sorted(set(mrs) | {default_mr})), default_mr),
+        Knob("nr", nrs, default_nr),
+        Knob("order", ("ij", "ji"), "ij"),
+        Knob("parallel", ("outer", "fused"), "outer"),
+    )
+
+
+def _matmul_fits(mm: StageInfo, config: Mapping[str, object]) -> bool:
+    """mr x nr accumulators plus a row of B must fit the vector registers."""
+    vectors = max(int(config["nr"]) // VECTOR_LANES, 1)
+    return int(config["mr"]) * vectors + vectors <= VECTOR_REGISTERS
+
+
+# --- templates: the default schedules with their knobs --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    name: str
+    choices: tuple
+    default: object
+
+
+Config = Mapping[str, object]
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """A schedule with named knobs. Its default point is the untuned schedule; bump `version`
+    whenever a knob's meaning changes, so old tuning records are never applied to it."""
+
+    name: str
+    version: int
+    knobs: Callable[[StageInfo], tuple[Knob, ...]]
+    schedule: Callable[[StageInfo, StageInfo | None, Config], list[Record]]
+    fits: Callable[[StageInfo, Config], bool] = lambda _anchor, _config: True
+
+
+TEMPLATES: dict[str, Template] = {
+    "conv2d_nchwc": Template("conv2d_nchwc", 1, _nchwc_knobs, nchwc_conv_schedule),
+    "dense": Template("dense", 1, _matmul_knobs, matmul_schedule, _matmul_fits),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunable:
+    """A group's heavy stage with its template, its epilogue and the knobs for its shapes."""
+
+    template: Template
+    anchor: StageInfo
+    epilogue: StageInfo | None
+    knobs: tuple[Knob, ...]
+
+    def default_config(self) -> dict[str, object]:
+        return {knob.name: knob.default for knob in self.knobs}
+
+    def check(self, config: Config) -> dict[str, object]:
+        """The config with every knob, or ValueError naming what is wrong with it."""
+        names = {knob.name for knob in self.knobs}
+        unknown = set(config) - names
+        if unknown:
+            raise ValueError(f"{self.template.name}: unknown knob(s) {sorted(unknown)}")
+        full = {**self.default_config(), **config}
+        for knob in self.knobs:
+            if full[knob.name] not in knob.choices:
+                raise ValueError(
+                    f"{self.template.name}: knob {knob.name}={full[knob.name]!r} is not one "
+                    f"of {list(knob.choices)}"
+                )
+        if not self.template.fits(self.anchor, full):
+            raise ValueError(f"{self.template.name}: config {full} does not fit the registers")
+        return full
+
+    def records(self, config: Config | None = None) -> list[Record]:
+        full = self.check(config or {})
+        return self.template.schedule(self.anchor, self.epilogue, full)
 
 
 def generic_schedule(stage: StageInfo) -> list[Record]:
@@ -227,30 +368,56 @@ def generic_schedule(stage: StageInfo) -> list[Record]:
 ANCHOR_OPS = ("Conv", "MatMul", "Gemm")
 
 
-def default_schedule(stages: list[StageInfo]) -> list[Record]:
+def _prepared(stages: list[StageInfo]):
     # An empty stage lowers to nothing: there is nothing to schedule.
     stages = [s for s in stages if all(stages_dim > 0 for stages_dim in s.shape)]
     records, kept = _inline_intermediates(stages)
     inlined = {s.name for s in stages} - {s.name for s in kept}
-    handled: set[str] = set()
     anchor = next((s for s in kept if s.op in ANCHOR_OPS and s.reduce_axes), None)
-    if anchor is not None:
+    return stages, records, kept, inlined, anchor
+
+
+def tunable_of(stages: list[StageInfo]) -> Tunable | None:
+    """The group's tunable stage, if its anchor has a template."""
+    stages, _, kept, inlined, anchor = _prepared(stages)
+    if anchor is None:
+        return None
+    layout = anchor.note("layout")
+    if anchor.op == "Conv" and layout in ("nchwc", "nchwc_depthwise"):
+        template = TEMPLATES["conv2d_nchwc"]
+    elif anchor.op in ("MatMul", "Gemm") and len(anchor.shape) >= 2:
+        template = TEMPLATES["dense"]
+    else:
+        return None
+    epilogue = _epilogue_of(anchor, kept, inlined, stages)
+    return Tunable(template, anchor, epilogue, template.knobs(anchor))
+
+
+def schedule_for(stages: list[StageInfo], config: Config | None = None) -> list[Record]:
+    """The group's schedule: inline intermediates, the anchor's template at `config` (its
+    default point when None), and a generic parallel/vector schedule for the other stages."""
+    stages, records, kept, inlined, anchor = _prepared(stages)
+    handled: set[str] = set()
+    tunable = tunable_of(stages)
+    if tunable is not None:
+        records += tunable.records(config)
+        handled.add(anchor.name)
+    elif anchor is not None:
         epilogue = _epilogue_of(anchor, kept, inlined, stages)
         layout = anchor.note("layout")
-        if anchor.op == "Conv" and layout in ("nchwc", "nchwc_depthwise"):
-            tile = NCHWC_TILE if layout == "nchwc" else NCHWC_DEPTHWISE_TILE
-            records += nchwc_conv_schedule(anchor, epilogue, tile)
-            handled.add(anchor.name)
-        elif anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed", "depthwise"):
+        if anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed", "depthwise"):
             depthwise = layout == "depthwise"
             records += conv_schedule(anchor, epilogue, depthwise, anchor.note("block"))
             handled.add(anchor.name)
-        elif anchor.op in ("MatMul", "Gemm") and len(anchor.shape) >= 2:
-            records += matmul_schedule(anchor, epilogue, anchor.note("panel") or 32)
-            handled.add(anchor.name)
-        if epilogue is not None and anchor.name in handled:
-            handled.add(epilogue.name)
+            if epilogue is not None:
+                handled.add(epilogue.name)
+    if tunable is not None and tunable.epilogue is not None:
+        handled.add(tunable.epilogue.name)
     for stage in kept:
         if stage.name not in handled:
             records += generic_schedule(stage)
     return records
+
+
+def default_schedule(stages: list[StageInfo]) -> list[Record]:
+    return schedule_for(stages)
