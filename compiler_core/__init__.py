@@ -1,8 +1,8 @@
-"""Kiln's compiler: `compile(model, target, shapes)` -> module archive; run it with
+"""Kiln's compiler: `compile(model, target, shapes, tuning)` -> module archive; run it with
 `compiler_core.runtime.load(archive).run(inputs)`."""
 
 
-def compile(model, target="llvm", shapes=None):  # noqa: A001 - the documented entry point
+def compile(model, target="llvm", shapes=None, tuning=None):  # noqa: A001 - the entry point
     from compiler_core.compiler import compile as _compile
 
-    return _compile(model, target=target, shapes=shapes)
+    return _compile(model, target=target, shapes=shapes, tuning=tuning)

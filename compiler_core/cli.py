@@ -9,6 +9,9 @@ kiln compile model.onnx [--target llvm] [--shape x=1,784] -o model.kiln
     native code for the whole model, in one module archive
 kiln run model.kiln [--input name=file.npy ...] [--repeat N]
     load the archive and run it (random inputs where none are given): outputs and latency
+kiln tune model.onnx [--shape x=1,784] [--trials N | --time-budget 20m] --log tuning.jsonl
+    search the schedules of the model's heavy operators, measuring candidates; then
+    `kiln compile model.onnx --tuning tuning.jsonl` builds with the best ones
 
 The services (each a process of its own; see the README):
 kiln serve [--api-port 8000] [--runtime-port 8001] [--data-dir DIR]
@@ -141,7 +144,9 @@ def cmd_compile(args) -> int:
     from compiler_core.compiler import compile as compile_model
 
     started = time.perf_counter()
-    archive = compile_model(args.model, target=args.target, shapes=parse_shapes(args.shape))
+    archive = compile_model(
+        args.model, target=args.target, shapes=parse_shapes(args.shape), tuning=args.tuning
+    )
     path = archive.save(args.output)
     manifest = archive.manifest
     memory, check = manifest["memory"], manifest["verification"]
@@ -153,6 +158,9 @@ def cmd_compile(args) -> int:
         f"  kernels: {len(manifest['kernels'])} ({manifest['distinct_kernels']} distinct); "
         f"workspace {memory['workspace_bytes']} bytes (without reuse {memory['naive_bytes']})"
     )
+    tuned = sum(1 for k in manifest["kernels"].values() if isinstance(k, dict))
+    if args.tuning:
+        print(f"  tuned kernels: {tuned} of {len(manifest['kernels'])} (log {args.tuning})")
     print(
         f"  verification vs {check['oracle']}: max abs error {check['max_abs_error']:.3g} "
         f"-> {'ok' if check['passed'] else 'MISMATCH'}"
@@ -210,6 +218,66 @@ def _print_profile(rows: list[tuple[str, float]], top: int) -> None:
         print(f"  {seconds * 1000:8.3f} ms {100 * seconds / total:5.1f}%  {name}")
 
 
+def parse_duration(text: str) -> float:
+    """`90s`, `20m`, `1.5h` or plain seconds -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise UsageError(f"--time-budget {text!r}: expected e.g. 90s, 20m or 1h") from None
+
+
+def cmd_tune(args) -> int:
+    from compiler_core.autotune.measure import MeasureOptions, Measurer
+    from compiler_core.autotune.records import open_log
+    from compiler_core.autotune.search import Tuner
+    from compiler_core.autotune.tasks import extract_tasks
+    from compiler_core.compiler import COMPILER_VERSION
+    from compiler_core.target import parse_target
+
+    if args.trials is None and args.time_budget is None:
+        raise UsageError("give a budget: --trials N or --time-budget 20m")
+    budget = parse_duration(args.time_budget) if args.time_budget else None
+    target = parse_target(args.target)
+    graph = optimize(import_model(args.model, shapes=parse_shapes(args.shape)))
+    tasks = extract_tasks(graph)
+    print(f"{args.model}: {len(tasks)} tuning tasks for {target} (log {args.log})")
+    for k, task in enumerate(tasks):
+        print(f"  task {k}: {task.workload} x{task.weight}, {len(task.space())} configs")
+    started = time.perf_counter()
+
+    def progress(tuner, state) -> None:
+        k = tuner.states.index(state)
+        print(
+            f"[{time.perf_counter() - started:6.0f}s] {tuner.trials:5d} trials | task {k}: "
+            f"{state.trials} trials, best {state.best_gflops:.1f} GFLOP/s | tuned tasks' "
+            f"estimated time {tuner.estimated_latency() * 1000:.3f} ms",
+            flush=True,
+        )
+
+    options = MeasureOptions(threads=args.threads)
+    with Measurer(target, options) as measurer, open_log(args.log) as log:
+        tuner = Tuner(
+            tasks, target, log, measurer, batch=args.batch, seed=args.seed,
+            compiler_version=COMPILER_VERSION,
+        )  # fmt: skip
+        resumed = sum(len(s.visited) for s in tuner.states)
+        if resumed:
+            print(f"resuming: {resumed} configs already in the log are not measured again")
+        tuner.run(trials=args.trials, time_budget=budget, progress=progress)
+        for k, state in enumerate(tuner.states):
+            default = state.task.flops / state.default_cost / 1e9 if state.default_cost else 0
+            print(
+                f"  task {k}: {state.trials} trials, best {state.best_gflops:.1f} GFLOP/s "
+                f"(default {default:.1f}) {state.best_config}"
+            )
+    print(f"tuned in {time.perf_counter() - started:.0f}s; build with: kiln compile "
+          f"{args.model} --tuning {args.log} -o model.kiln")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln",
@@ -236,7 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--target", default="llvm", help="e.g. 'llvm' or 'llvm -mcpu=znver4'")
     compile_.add_argument("--shape", action="append", help="bind an input shape: NAME=D0,D1,...")
     compile_.add_argument("-o", "--output", required=True, help="archive path (.kiln)")
+    compile_.add_argument("--tuning", help="a tuning log (JSONL path or redis:// URL)")
     compile_.set_defaults(run=cmd_compile)
+
+    tune = sub.add_parser("tune", help="tune the schedules of a model's heavy operators")
+    tune.add_argument("model")
+    tune.add_argument("--target", default="llvm")
+    tune.add_argument("--shape", action="append", help="bind an input shape: NAME=D0,D1,...")
+    tune.add_argument("--trials", type=int, help="candidates to measure in all")
+    tune.add_argument("--time-budget", help="wall clock, e.g. 90s, 20m, 1h")
+    tune.add_argument("--log", required=True, help="tuning log: JSONL path or redis:// URL")
+    tune.add_argument("--batch", type=int, default=8, help="candidates per round")
+    tune.add_argument("--threads", type=int, default=None, help="threads while measuring")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.set_defaults(run=cmd_tune)
 
     run = sub.add_parser("run", help="run a compiled module archive")
     run.add_argument("module")

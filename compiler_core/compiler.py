@@ -97,7 +97,9 @@ def _verification(archive: ModuleArchive, graph: Graph) -> dict:
     }
 
 
-def _members(compiled: CompiledModel, library: bytes, model_sha: str) -> dict[str, bytes]:
+def _members(
+    compiled: CompiledModel, library: bytes, model_sha: str, tuned: dict[str, dict]
+) -> dict[str, bytes]:
     graph = compiled.graph
     plan = {
         "inputs": describe_types(graph, graph.inputs),
@@ -124,7 +126,10 @@ def _members(compiled: CompiledModel, library: bytes, model_sha: str) -> dict[st
         "target": str(compiled.target),
         "target_fingerprint": compiled.target.fingerprint,
         "compiler_version": COMPILER_VERSION,
-        "kernels": {k.name: "default schedule" for k in compiled.kernels},
+        "kernels": {
+            kernel.name: tuned.get(group.name, "default schedule")
+            for kernel, group in zip(compiled.kernels, graph.groups, strict=True)
+        },
         "distinct_kernels": len({k.symbol for k in compiled.kernels}),
         "memory": {
             "workspace_bytes": compiled.memory.workspace_bytes,
@@ -145,14 +150,25 @@ def _model_bytes(model) -> bytes:
 
 
 def compile_graph(
-    graph: Graph, target: Target, model_sha: str = "", verify: bool = True
+    graph: Graph,
+    target: Target,
+    model_sha: str = "",
+    verify: bool = True,
+    tuning=None,
 ) -> ModuleArchive:
+    """Build `graph` for `target`; `tuning` (a log path, `redis://` URL or TuningLog) supplies
+    the best measured schedule of every task it has records for."""
     started = time.perf_counter()
-    compiled = build_graph(graph, target)
+    schedules, tuned = None, {}
+    if tuning is not None:
+        from compiler_core.autotune.apply import tuned_schedules
+
+        schedules, tuned = tuned_schedules(graph, target, tuning)
+    compiled = build_graph(graph, target, schedules)
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
         library = link_shared(compiled.objects, Path(tmp) / "model.so").read_bytes()
     compiled.compile_seconds = time.perf_counter() - started
-    archive = ModuleArchive(_members(compiled, library, model_sha), compiled.compile_seconds)
+    archive = ModuleArchive(_members(compiled, library, model_sha, tuned), compiled.compile_seconds)
     if verify:
         return attach_verification(archive, graph)
     return _with_manifest(archive, verification={"oracle": None, "passed": None})
@@ -173,8 +189,10 @@ def compile(  # noqa: A001 - the documented entry point's name
     model,
     target: str | Target = "llvm",
     shapes: Mapping[str, Sequence[int]] | None = None,
+    tuning=None,
 ) -> ModuleArchive:
-    """Compile an ONNX model (path, bytes or ModelProto) to a native module archive."""
+    """Compile an ONNX model (path, bytes or ModelProto) to a native module archive, with the
+    best schedules of the tuning log `tuning` (a path, a `redis://` URL or a TuningLog)."""
     target = parse_target(target) if isinstance(target, str) else target
     graph = optimize(import_model(model, shapes=shapes))
-    return compile_graph(graph, target, sha256(_model_bytes(model)))
+    return compile_graph(graph, target, sha256(_model_bytes(model)), tuning=tuning)

@@ -65,11 +65,13 @@ def error(status: int, message: str) -> JSONResponse:
 # -- dependencies ------------------------------------------------------------------------
 
 
-def get_repository(request: Request) -> ModelRepository:
+# Async on purpose: FastAPI runs a plain `def` dependency in the thread pool, and these two
+# would cost every inference two thread round trips for an attribute read.
+async def get_repository(request: Request) -> ModelRepository:
     return request.app.state.repository
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 

@@ -28,6 +28,7 @@ class RuntimeSettings(BaseSettings):
     # How often to converge on the deployments listed in the store (0: never). Every replica
     # loads every deployment, so the api's load request needs to reach only one of them.
     runtime_sync_seconds: float = Field(default=5.0, ge=0)
+    runtime_access_log: bool = False
     runtime_host: str = "127.0.0.1"
     runtime_port: int = Field(default=8001, ge=0, le=65535)
 

@@ -1,0 +1,39 @@
+"""Apply a tuning log at build time: the best valid record per task, the default otherwise.
+
+Records are matched by workload key and target fingerprint, and only for the template
+version they were measured with: a record from other hardware or an older template is never
+applied.
+"""
+
+from __future__ import annotations
+
+from compiler_core.autotune.records import TuningLog, open_log
+from compiler_core.autotune.tasks import extract_tasks
+from compiler_core.graph.ir import Graph
+from compiler_core.schedule.primitives import Record
+from compiler_core.target import Target
+
+
+def tuned_schedules(
+    graph: Graph, target: Target, tuning: str | TuningLog
+) -> tuple[dict[str, list[Record]], dict[str, dict]]:
+    """({group name: schedule records}, {group name: what the manifest says about it})."""
+    log = open_log(tuning)
+    schedules, notes = {}, {}
+    for task in extract_tasks(graph):
+        best = log.best(task.key, target.fingerprint, task.template, task.template_version)
+        if best is None:
+            continue
+        records = task.records(best.config)
+        note = {
+            "schedule": "tuned",
+            "template": f"{task.template}/v{task.template_version}",
+            "config": best.config,
+            "workload_key": task.key,
+            "measured_us": round(best.cost * 1e6, 3),
+            "gflops": round(best.gflops, 2),
+        }
+        for group in task.groups:
+            schedules[group] = records
+            notes[group] = note
+    return schedules, notes

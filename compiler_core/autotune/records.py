@@ -1,0 +1,543 @@
+"""The tuning log: measured configs as data, one JSON object per line (DESIGN.md §3).
+
+The log is append-only and is the only truth; "the best config of a task on a target" is a
+view computed from it. Two backends share one interface: `FileLog`, a JSON-lines file that
+several tuner processes may append to at once, and `RedisLog`, a Redis list shared by the
+tuning workers. Both cache the parsed records and read only what was appended since the
+last look, so asking for the best config during a long tuning run stays cheap.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ERROR_CODES = ("ok", "invalid_config", "build_error", "run_error", "timeout", "wrong_answer")
+
+# Fields a line must carry; the others have defaults so that a sparse record still reads.
+REQUIRED_FIELDS = (
+    "workload_key",
+    "workload",
+    "target",
+    "fingerprint",
+    "template",
+    "template_version",
+    "config",
+    "costs",
+)
+STRING_FIELDS = (
+    "workload_key",
+    "workload",
+    "target",
+    "fingerprint",
+    "template",
+    "error",
+    "error_detail",
+    "compiler_version",
+)
+NUMBER_FIELDS = ("flops", "timestamp")
+
+
+class RecordError(ValueError):
+    """A tuning record that cannot be built or read; the message names the problem."""
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but True as a split factor is a bug, not a knob value.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_config(config: Any) -> dict[str, int | str]:
+    if not isinstance(config, dict):
+        raise RecordError(f"config must be an object of knob -> value, got {type(config).__name__}")
+    for knob, value in config.items():
+        if not isinstance(knob, str):
+            raise RecordError(f"config knob names must be strings, got {knob!r}")
+        if not (_is_int(value) or isinstance(value, str)):
+            raise RecordError(f"config knob {knob!r} must be an int or a string, got {value!r}")
+    return dict(config)
+
+
+def _check_costs(costs: Any, error: str) -> tuple[float, ...]:
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Iterable):
+        raise RecordError(f"costs must be a list of seconds, got {costs!r}")
+    costs = tuple(costs)
+    for cost in costs:
+        if not _is_number(cost) or not math.isfinite(cost) or cost < 0:
+            raise RecordError(f"costs must be finite, non-negative seconds, got {cost!r}")
+    if error != "ok" and costs:
+        raise RecordError(f"a record with error {error!r} carries no costs, got {costs!r}")
+    return tuple(float(cost) for cost in costs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningRecord:
+    """One measurement of one config of one task on one machine.
+
+    Construction validates every field, so any record that exists can be written as JSON and
+    read back unchanged.
+    """
+
+    workload_key: str  # sha256 hex of the workload's canonical text (one task)
+    workload: str  # the canonical text itself: op, shapes, dtypes, layout
+    target: str  # e.g. "llvm -mcpu=znver4"
+    fingerprint: str  # the target fingerprint: records from other hardware are never applied
+    template: str  # template name, e.g. "dense"
+    template_version: int
+    config: dict[str, int | str]  # knob name -> value
+    costs: tuple[float, ...]  # all measured seconds (repeats); empty when error != "ok"
+    error: str = "ok"  # one of ERROR_CODES
+    error_detail: str = ""  # first line of what went wrong
+    flops: float = 0.0  # of one run of the workload
+    compiler_version: str = ""
+    timestamp: float = 0.0  # time.time() when measured
+
+    def __post_init__(self) -> None:
+        for name in STRING_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise RecordError(f"{name} must be a string, got {value!r}")
+        if self.error not in ERROR_CODES:
+            raise RecordError(f"error must be one of {', '.join(ERROR_CODES)}, got {self.error!r}")
+        if not _is_int(self.template_version) or self.template_version < 0:
+            raise RecordError(
+                f"template_version must be a non-negative int, got {self.template_version!r}"
+            )
+        for name in NUMBER_FIELDS:
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise RecordError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        # Frozen, so normalise through object.__setattr__: a private copy of the config (the
+        # caller's dict may change later) and the costs as a tuple of floats.
+        object.__setattr__(self, "config", _check_config(self.config))
+        object.__setattr__(self, "costs", _check_costs(self.costs, self.error))
+
+    @property
+    def ok(self) -> bool:
+        return self.error == "ok"
+
+    @property
+    def cost(self) -> float:
+        """Median of the repeats (robust to one noisy run); inf when there is nothing to rank."""
+        if not self.ok or not self.costs:
+            return math.inf
+        return statistics.median(self.costs)
+
+    @property
+    def gflops(self) -> float:
+        cost = self.cost
+        if not math.isfinite(cost) or cost <= 0:
+            return 0.0
+        return self.flops / cost / 1e9
+
+    @property
+    def config_key(self) -> str:
+        """Canonical JSON of the config: identifies one config within a workload."""
+        return json.dumps(self.config, sort_keys=True, separators=(",", ":"))
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self)
+        fields["costs"] = list(self.costs)
+        return fields
+
+    def to_json(self) -> str:
+        """One line, sorted keys: equal records give equal lines, which is how duplicates go."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, fields: Any) -> TuningRecord:
+        """Build from a decoded JSON object; unknown keys are ignored (newer writers)."""
+        if not isinstance(fields, dict):
+            raise RecordError(f"a tuning record is a JSON object, got {type(fields).__name__}")
+        missing = [name for name in REQUIRED_FIELDS if name not in fields]
+        if missing:
+            raise RecordError(f"tuning record lacks field(s): {', '.join(missing)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{name: value for name, value in fields.items() if name in known})
+        except TypeError as err:  # e.g. a value of a type the checks above never expected
+            raise RecordError(f"malformed tuning record: {err}") from err
+
+    @classmethod
+    def from_json(cls, line: str | bytes) -> TuningRecord:
+        try:
+            # Python's json accepts NaN/Infinity; a log we wrote never holds them, so refuse.
+            fields = json.loads(line, parse_constant=_refuse_constant)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RecordError(f"tuning record is not valid JSON: {err}") from err
+        return cls.from_dict(fields)
+
+
+def _refuse_constant(name: str) -> float:
+    raise RecordError(f"tuning record holds {name}, which JSON does not allow")
+
+
+# --------------------------------------------------------------------------- the log
+
+
+class TuningLog(abc.ABC):
+    """An append-only store of tuning records with a cached, incrementally refreshed view.
+
+    Subclasses supply `extend` (write) and `_read_new` (records appended since the last call);
+    this class keeps them in order, indexed by task, and answers the queries. Instances are
+    safe to share between threads; several processes each use their own instance.
+    """
+
+    def __init__(self) -> None:
+        self.skipped = 0  # malformed lines seen and passed over
+        self._lock = threading.RLock()
+        self._records: list[TuningRecord] = []
+        self._by_task: dict[tuple[str, str], list[TuningRecord]] = {}
+
+    # -- what a backend provides
+
+    @abc.abstractmethod
+    def extend(self, records: Iterable[TuningRecord]) -> None:
+        """Append records in one atomic write, so concurrent writers never interleave lines."""
+
+    @abc.abstractmethod
+    def _read_new(self) -> list[TuningRecord]:
+        """Records appended since the last call (by anyone), in log order."""
+
+    def _forget(self) -> None:
+        """Drop the cache: the backend saw its store shrink or be replaced."""
+        self._records = []
+        self._by_task = {}
+        self.skipped = 0
+
+    def close(self) -> None:  # noqa: B027 (a hook, not abstract: most backends hold nothing)
+        """Release connections; the log must not be used afterwards."""
+
+    # -- writing
+
+    def append(self, record: TuningRecord) -> None:
+        self.extend([record])
+
+    def import_jsonl(self, path: str | os.PathLike[str]) -> int:
+        """Append the records of a JSON-lines file that this log lacks; return how many.
+
+        Exact duplicates (same JSON line) are skipped, whether already in the log or repeated
+        in the file, so importing the same file twice adds nothing the second time.
+        """
+        seen = {record.to_json() for record in self.records()}
+        new = []
+        for record in read_jsonl(path):
+            line = record.to_json()
+            if line not in seen:
+                seen.add(line)
+                new.append(record)
+        if new:
+            self.extend(new)
+        return len(new)
+
+    def export_jsonl(self, path: str | os.PathLike[str]) -> int:
+        """Write every record to a JSON-lines file; return how many.
+
+        The file is written beside its destination and renamed into place, so a failure never
+        leaves a half-written export behind.
+        """
+        records = self.records()
+        _write_atomically(Path(path), "".join(record.to_json() + "\n" for record in records))
+        return len(records)
+
+    # -- reading
+
+    def refresh(self) -> None:
+        """Fold in what was appended since the last look; every query calls this first."""
+        with self._lock:
+            for record in self._read_new():
+                self._records.append(record)
+                task = (record.workload_key, record.fingerprint)
+                self._by_task.setdefault(task, []).append(record)
+
+    def records(
+        self, workload_key: str | None = None, fingerprint: str | None = None
+    ) -> list[TuningRecord]:
+        """Records in log order, optionally only those of one workload and/or one fingerprint."""
+        with self._lock:
+            self.refresh()
+            if workload_key is not None and fingerprint is not None:
+                return list(self._by_task.get((workload_key, fingerprint), ()))
+            return [
+                record
+                for record in self._records
+                if workload_key in (None, record.workload_key)
+                and fingerprint in (None, record.fingerprint)
+            ]
+
+    def __iter__(self) -> Iterator[TuningRecord]:
+        return iter(self.records())
+
+    def best(
+        self,
+        workload_key: str,
+        fingerprint: str,
+        template: str | None = None,
+        template_version: int | None = None,
+    ) -> TuningRecord | None:
+        """The ok record with the lowest median cost, or None.
+
+        Only records measured on `fingerprint` count: a config tuned on other hardware is
+        never applied. `template` / `template_version`, when given, must match too, because a
+        config of another template version may name knobs that no longer mean the same.
+        On equal cost the earlier record wins, so the answer is stable as the log grows.
+        """
+        candidates = [
+            record
+            for record in self.records(workload_key, fingerprint)
+            if math.isfinite(record.cost)
+            and template in (None, record.template)
+            and template_version in (None, record.template_version)
+        ]
+        return min(candidates, key=lambda record: record.cost, default=None)
+
+    def measured(self, workload_key: str, fingerprint: str) -> set[str]:
+        """Config keys already recorded for a task, ok or failed: a resumed tuner skips them."""
+        return {record.config_key for record in self.records(workload_key, fingerprint)}
+
+    def __enter__(self) -> TuningLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _parse_line(line: bytes, where: str) -> TuningRecord | None:
+    """A record, or None for a malformed line (logged): one bad line must not sink a log."""
+    try:
+        return TuningRecord.from_json(line)
+    except RecordError as err:
+        log.warning("skipping malformed tuning record at %s: %s", where, err)
+        return None
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[TuningRecord]:
+    """The well-formed records of a JSON-lines file; malformed and blank lines are skipped."""
+    records = []
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, start=1):
+            if line.strip():
+                record = _parse_line(line, f"{path}:{number}")
+                if record is not None:
+                    records.append(record)
+    return records
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+
+
+# --------------------------------------------------------------------------- file backend
+
+
+class FileLog(TuningLog):
+    """A JSON-lines file, append-only, shared safely by concurrent processes on one host.
+
+    Each `extend` writes all its lines with one `os.write` on an O_APPEND descriptor under an
+    exclusive `flock`, so lines from different writers never interleave. Readers take a shared
+    lock and read from the offset they reached last time. A last line without its newline is
+    what a crash mid-write leaves: it is skipped with a warning and never fails the log.
+    `fsync=True` makes each append durable before it returns, at a cost per append.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], fsync: bool = False) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.fsync = fsync
+        self._offset = 0  # bytes of the file already parsed: always just after a newline
+        self._inode: int | None = None
+        self._warned_tail: int | None = None  # offset of the torn tail already warned about
+
+    def __repr__(self) -> str:
+        return f"FileLog({str(self.path)!r})"
+
+    def extend(self, records: Iterable[TuningRecord]) -> None:
+        data = "".join(record.to_json() + "\n" for record in records).encode()
+        if not data:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _ends_torn(fd):
+                # Close a line a crashed writer left open, or our first record would be glued
+                # onto it and lost with it; the torn line becomes one skipped malformed line.
+                data = b"\n" + data
+            _write_all(fd, data)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)  # closing also drops the flock
+
+    def _read_new(self) -> list[TuningRecord]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._reset_if_replaced(None, 0)
+            return []
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # never see half of a batch being written
+            stat = os.fstat(fd)
+            self._reset_if_replaced(stat.st_ino, stat.st_size)
+            data = _read_from(fd, self._offset, stat.st_size)
+        finally:
+            os.close(fd)
+        return self._parse_tail(data)
+
+    def _reset_if_replaced(self, inode: int | None, size: int) -> None:
+        # A new file under the same name, or a shorter one, invalidates all we parsed.
+        if inode != self._inode or size < self._offset:
+            if self._offset or self._records:
+                log.warning("tuning log %s was replaced or truncated: reading it anew", self.path)
+            self._forget()
+            self._offset = 0
+            self._warned_tail = None
+            self._inode = inode
+
+    def _parse_tail(self, data: bytes) -> list[TuningRecord]:
+        """Parse the complete lines of `data` (read at self._offset) and advance the offset.
+
+        Bytes after the last newline are not consumed: if they are a torn write we warn once;
+        if a writer later closes that line, the next read parses it then.
+        """
+        end = data.rfind(b"\n") + 1
+        records = []
+        position = self._offset
+        for line in data[:end].splitlines(keepends=True):
+            if line.strip():
+                record = _parse_line(line, f"{self.path}@{position}")
+                if record is None:
+                    self.skipped += 1
+                else:
+                    records.append(record)
+            position += len(line)
+        self._offset += end
+        if end < len(data) and self._warned_tail != self._offset:
+            log.warning(
+                "tuning log %s ends in a truncated line (%d bytes at offset %d): skipping it",
+                self.path,
+                len(data) - end,
+                self._offset,
+            )
+            self._warned_tail = self._offset
+        return records
+
+
+def _ends_torn(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    # One write covers a batch on any regular file; the loop only guards against a short
+    # write (disk full, signal), which still lands whole because we hold the lock.
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_from(fd: int, offset: int, size: int) -> bytes:
+    chunks = []
+    while offset < size:
+        chunk = os.pread(fd, size - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+# --------------------------------------------------------------------------- Redis backend
+
+
+class RedisLog(TuningLog):
+    """A Redis list of JSON lines shared by tuning workers on many hosts.
+
+    RPUSH of a batch is one atomic command, so concurrent writers never interleave; readers
+    LRANGE from the index they reached. "Best" is recomputed from the cached records rather
+    than kept in a side index, so there is nothing that can disagree with the list.
+    """
+
+    def __init__(self, url: str, key: str = "kiln:tuning") -> None:
+        super().__init__()
+        import redis  # only the shared backend needs the client library
+
+        self.url = url
+        self.key = key
+        self.client = redis.Redis.from_url(url)
+        self._offset = 0  # list entries already parsed
+
+    def __repr__(self) -> str:
+        return f"RedisLog({self.url!r}, key={self.key!r})"
+
+    def extend(self, records: Iterable[TuningRecord]) -> None:
+        lines = [record.to_json() for record in records]
+        if lines:
+            self.client.rpush(self.key, *lines)
+
+    def _read_new(self) -> list[TuningRecord]:
+        if self.client.llen(self.key) < self._offset:  # the list was deleted or trimmed
+            log.warning("tuning log %s shrank: reading it anew", self)
+            self._forget()
+            self._offset = 0
+        lines = self.client.lrange(self.key, self._offset, -1)
+        records = []
+        for index, line in enumerate(lines, start=self._offset):
+            record = _parse_line(line, f"{self.key}[{index}]")
+            if record is None:
+                self.skipped += 1
+            else:
+                records.append(record)
+        self._offset += len(lines)
+        return records
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# --------------------------------------------------------------------------- opening
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def open_log(spec: str | os.PathLike[str] | TuningLog) -> TuningLog:
+    """A log from what a user passes as `tuning=`: a Redis URL, a path, or a log itself."""
+    if isinstance(spec, TuningLog):
+        return spec
+    if isinstance(spec, str) and spec.startswith(REDIS_SCHEMES):
+        return RedisLog(spec)
+    if isinstance(spec, (str, os.PathLike)):
+        return FileLog(spec)
+    raise TypeError(f"a tuning log is a path, a redis:// URL or a TuningLog, got {spec!r}")

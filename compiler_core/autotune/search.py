@@ -1,0 +1,214 @@
+"""The tuner: a model-guided search over each task's schedule space, within one budget.
+
+Per task the space is every config of its template's knobs that fits the registers (small for
+today's templates: tens to a few hundred points). Each round measures a batch: the default
+point first, then the configs the cost model ranks fastest among the unvisited ones, with an
+epsilon share picked at random so the model keeps seeing the space it ranks badly. The model
+is retrained on every ok measurement of the session and of the log (records of this model's
+tasks, for this target). The task scheduler gives the next batch to the task with the largest
+estimated share of the model's time (occurrences x best cost so far) that is still improving:
+the gradient idea of Ansor's scheduler, in its simplest form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from compiler_core.autotune.cost_model import CostModel
+from compiler_core.autotune.features import extract
+from compiler_core.autotune.measure import Measurer, Result
+from compiler_core.autotune.records import TuningLog, TuningRecord
+from compiler_core.autotune.tasks import Task, config_key
+from compiler_core.schedule.primitives import apply
+from compiler_core.target import Target
+
+STALE_ROUNDS = 3  # batches without a 1% gain before a task stops asking for more
+IMPROVEMENT = 0.99
+
+
+@dataclasses.dataclass
+class TaskState:
+    task: Task
+    space: list[dict]
+    visited: set[str] = dataclasses.field(default_factory=set)
+    best_cost: float = math.inf
+    best_config: dict | None = None
+    default_cost: float = math.inf
+    trials: int = 0
+    stale: int = 0
+    history: list[float] = dataclasses.field(default_factory=list)  # best GFLOP/s after each trial
+    features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def exhausted(self) -> bool:
+        return len(self.visited) >= len(self.space) or self.stale >= STALE_ROUNDS
+
+    @property
+    def best_gflops(self) -> float:
+        return self.task.flops / self.best_cost / 1e9 if math.isfinite(self.best_cost) else 0.0
+
+    def unvisited(self) -> list[dict]:
+        return [c for c in self.space if config_key(c) not in self.visited]
+
+
+Progress = Callable[["Tuner", TaskState], None]
+
+
+class Tuner:
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        target: Target,
+        log: TuningLog,
+        measurer: Measurer,
+        *,
+        batch: int = 8,
+        epsilon: float = 0.25,
+        seed: int = 0,
+        model: CostModel | None = None,
+        compiler_version: str = "",
+    ):
+        self.target, self.log, self.measurer = target, log, measurer
+        self.batch, self.epsilon = batch, epsilon
+        self.rng = random.Random(seed)
+        self.model = model or CostModel(seed=seed)
+        self.compiler_version = compiler_version
+        self.states = [TaskState(task, task.space()) for task in tasks]
+        self.trials = 0
+        for state in self.states:
+            self._resume(state)
+
+    # --- state from the log -------------------------------------------------------------
+
+    def _resume(self, state: TaskState) -> None:
+        """Configs already in the log are never measured again."""
+        task = state.task
+        for record in self.log.records(task.key, self.target.fingerprint):
+            if record.template_version != task.template_version:
+                continue
+            state.visited.add(record.config_key)
+            self._account(state, record.config, record.cost)
+
+    def _account(self, state: TaskState, config: dict, cost: float) -> None:
+        if config == state.task.tunable.default_config() and math.isfinite(cost):
+            state.default_cost = cost
+        if cost < state.best_cost:
+            state.best_cost, state.best_config = cost, dict(config)
+        state.history.append(state.best_gflops)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(
+        self,
+        trials: int | None = None,
+        time_budget: float | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        """Measure up to `trials` candidates in all, or until `time_budget` seconds pass."""
+        deadline = time.monotonic() + time_budget if time_budget else math.inf
+        limit = trials if trials is not None else math.inf
+        spent = 0
+        while spent < limit and time.monotonic() < deadline:
+            state = self._next_task()
+            if state is None:
+                break
+            configs = self._choose(state, int(min(self.batch, limit - spent)))
+            if not configs:
+                state.stale = STALE_ROUNDS
+                continue
+            before = state.best_cost
+            self._measure(state, configs)
+            spent += len(configs)
+            improved = state.best_cost < before * IMPROVEMENT
+            state.stale = 0 if improved or not math.isfinite(before) else state.stale + 1
+            self._retrain()
+            if progress is not None:
+                progress(self, state)
+
+    def _next_task(self) -> TaskState | None:
+        live = [s for s in self.states if not s.exhausted]
+        if not live:
+            return None
+        untouched = [s for s in live if not math.isfinite(s.best_cost) and s.trials == 0]
+        if untouched:
+            return untouched[0]
+        return max(live, key=lambda s: s.task.weight * s.best_cost)
+
+    def _choose(self, state: TaskState, count: int) -> list[dict]:
+        unvisited = state.unvisited()
+        default = state.task.tunable.default_config()
+        chosen = [default] if config_key(default) not in state.visited else []
+        rest = [c for c in unvisited if c != default]
+        explore = max(1, round(count * self.epsilon)) if self.model.trained else count
+        if self.model.trained and rest:
+            scores = self.model.predict(np.stack([self._features(state, c) for c in rest]))
+            ranked = [rest[k] for k in np.argsort(-scores)]
+            greedy = ranked[: max(count - len(chosen) - explore, 0)]
+            chosen += greedy
+            rest = [c for c in rest if c not in greedy]
+        self.rng.shuffle(rest)
+        chosen += rest[: count - len(chosen)]
+        return chosen[:count]
+
+    def _features(self, state: TaskState, config: dict) -> np.ndarray:
+        key = config_key(config)
+        if key not in state.features:
+            func = apply(state.task.lowered.func, state.task.records(config))
+            state.features[key] = extract(func)
+        return state.features[key]
+
+    def _measure(self, state: TaskState, configs: list[dict]) -> None:
+        task = state.task
+        results = self.measurer.measure(task, configs)
+        records = [self._record(task, c, r) for c, r in zip(configs, results, strict=True)]
+        self.log.extend(records)
+        for record in records:
+            state.visited.add(record.config_key)
+            state.trials += 1
+            self.trials += 1
+            self._account(state, record.config, record.cost)
+
+    def _record(self, task: Task, config: dict, result: Result) -> TuningRecord:
+        ok = result.error == "ok"
+        return TuningRecord(
+            workload_key=task.key,
+            workload=task.workload,
+            target=str(self.target),
+            fingerprint=self.target.fingerprint,
+            template=task.template,
+            template_version=task.template_version,
+            config=dict(config),
+            costs=tuple(result.costs) if ok else (),
+            error=result.error,
+            error_detail=result.detail,
+            flops=task.flops,
+            compiler_version=self.compiler_version,
+            timestamp=time.time(),
+        )
+
+    def _retrain(self) -> None:
+        rows, throughput, groups = [], [], []
+        for state in self.states:
+            for record in self.log.records(state.task.key, self.target.fingerprint):
+                if record.ok and record.template_version == state.task.template_version:
+                    rows.append(self._features(state, record.config))
+                    throughput.append(1.0 / record.cost)
+                    groups.append(state.task.key)
+        if rows:
+            self.model.fit(np.stack(rows), np.array(throughput), groups)
+
+    # --- what the session found ---------------------------------------------------------
+
+    def estimated_latency(self) -> float:
+        """Seconds of the tuned tasks in one model run (sum of occurrences x best cost)."""
+        return sum(
+            s.task.weight * (s.best_cost if math.isfinite(s.best_cost) else s.default_cost)
+            for s in self.states
+            if math.isfinite(s.best_cost) or math.isfinite(s.default_cost)
+        )
