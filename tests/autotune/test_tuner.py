@@ -1,0 +1,189 @@
+"""The tuner end to end on tiny workloads: every template config computes the right answer,
+faulty candidates become error records while the session goes on, a session resumes from its
+log without re-measuring, and builds apply the best records (and only the valid ones)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import helper
+
+import compiler_core
+from compiler_core.autotune.measure import MeasureOptions, Measurer
+from compiler_core.autotune.records import FileLog, TuningRecord
+from compiler_core.autotune.search import Tuner
+from compiler_core.autotune.tasks import config_key, extract_tasks
+from compiler_core.codegen.native import compiler_driver
+from compiler_core.frontend.onnx import import_model
+from compiler_core.passes.pipeline import optimize
+from compiler_core.runtime import load
+from compiler_core.target import parse_target
+from tests.conftest import FLOAT, make_model
+
+RNG = np.random.default_rng(0)
+W1 = RNG.standard_normal((64, 48)).astype(np.float32)
+B1 = RNG.standard_normal(48).astype(np.float32)
+CONV_W = (RNG.standard_normal((16, 16, 3, 3)) * 0.1).astype(np.float32)
+
+
+def dense_model():
+    nodes = [
+        helper.make_node("Gemm", ["x", "w", "b"], ["y"]),
+        helper.make_node("Relu", ["y"], ["z"]),
+    ]
+    return make_model(nodes, [("x", FLOAT, [6, 64])], [("z", FLOAT, [6, 48])], {"w": W1, "b": B1})
+
+
+def conv_model():
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["z"]),
+    ]
+    return make_model(
+        nodes, [("x", FLOAT, [1, 16, 6, 6])], [("z", FLOAT, [1, 16, 6, 6])], {"w": CONV_W}
+    )
+
+
+@pytest.fixture(scope="module")
+def target():
+    return parse_target("llvm")
+
+
+@pytest.fixture(scope="module")
+def measurer(target):
+    with Measurer(target, MeasureOptions(repeats=2, min_repeat_seconds=0.001)) as m:
+        yield m
+
+
+def tasks_of(model):
+    return extract_tasks(optimize(import_model(model)))
+
+
+@pytest.mark.parametrize("model", [dense_model, conv_model], ids=["dense", "conv2d_nchwc"])
+def test_every_config_of_the_space_computes_the_reference_answer(model, measurer):
+    tasks = tasks_of(model())
+    assert tasks, "the model has a tunable group"
+    for task in tasks:
+        space = task.space()
+        assert space[0] == task.tunable.default_config() and len(space) > 1
+        results = measurer.measure(task, space)
+        errors = [(c, r) for c, r in zip(space, results, strict=True) if r.error != "ok"]
+        assert not errors, errors[:3]
+        assert all(r.costs and min(r.costs) > 0 for r in results)
+
+
+FAULTY_KERNELS = {
+    "out_of_bounds": "void k(float *x, float *y) { volatile float *p = 0; p[1 << 20] = 1; }",
+    "forever": "void k(float *x, float *y) { volatile int i = 0; for (;;) i++; }",
+    "wrong": "void k(float *x, float *y) { for (int i = 0; i < 4; i++) y[i] = x[i] + 1; }",
+    "right": "void k(float *x, float *y) { for (int i = 0; i < 4; i++) y[i] = x[i]; }",
+}
+
+
+def faulty_library(tmp_path: Path, name: str) -> Path:
+    source = tmp_path / f"{name}.c"
+    source.write_text(FAULTY_KERNELS[name])
+    library = tmp_path / f"{name}.so"
+    command = [compiler_driver(), "-shared", "-fPIC", "-O0", "-o", str(library), str(source)]
+    subprocess.run(command, check=True)
+    return library
+
+
+def test_faulty_candidates_are_recorded_as_errors_and_the_runner_goes_on(tmp_path, target):
+    buffer = types.SimpleNamespace(shape=(4,), dtype="float32")
+    func = types.SimpleNamespace(name="k", params=(buffer, buffer))
+    task = types.SimpleNamespace(lowered=types.SimpleNamespace(func=func, outputs=["y"]))
+    options = MeasureOptions(repeats=1, min_repeat_seconds=0.0, timeout=3.0)
+    with Measurer(target, options) as measurer:
+        reference = tmp_path / "reference.npz"
+        right = faulty_library(tmp_path, "right")
+        assert measurer._run(task, right, save_output=reference).error == "ok"
+        outcomes = {
+            name: measurer._run(task, faulty_library(tmp_path, name), reference=reference)
+            for name in ("out_of_bounds", "forever", "wrong", "right")
+        }
+    assert outcomes["out_of_bounds"].error == "run_error"
+    assert "died" in outcomes["out_of_bounds"].detail
+    assert outcomes["forever"].error == "timeout"
+    assert outcomes["wrong"].error == "wrong_answer" and "differs" in outcomes["wrong"].detail
+    assert outcomes["right"].error == "ok" and outcomes["right"].costs  # after two restarts
+
+
+def test_a_session_resumes_from_its_log_without_measuring_again(tmp_path, target, measurer):
+    tasks = tasks_of(dense_model())
+    log_path = tmp_path / "tuning.jsonl"
+    with FileLog(log_path) as log:
+        Tuner(tasks, target, log, measurer, batch=4).run(trials=6)
+    first = FileLog(log_path).records()
+    assert len(first) == 6 and first[0].config == tasks[0].tunable.default_config()
+    with FileLog(log_path) as log:
+        tuner = Tuner(tasks, target, log, measurer, batch=4)
+        assert sum(len(s.visited) for s in tuner.states) == 6
+        tuner.run(trials=6)
+    records = FileLog(log_path).records()
+    keys = [(r.workload_key, r.config_key) for r in records]
+    assert len(records) == 12 and len(set(keys)) == 12  # nothing measured twice
+
+
+def test_builds_apply_the_best_valid_record_only(tmp_path, target, measurer):
+    model = dense_model()
+    (task,) = tasks_of(model)
+    log_path = tmp_path / "tuning.jsonl"
+    with FileLog(log_path) as log:
+        Tuner([task], target, log, measurer, batch=8).run(trials=8)
+    best = FileLog(log_path).best(task.key, target.fingerprint)
+    archive = compiler_core.compile(model, "llvm", tuning=str(log_path))
+    (note,) = [k for k in archive.manifest["kernels"].values() if isinstance(k, dict)]
+    assert note["config"] == best.config and note["workload_key"] == task.key
+    x = RNG.standard_normal((6, 64)).astype(np.float32)
+    np.testing.assert_allclose(
+        load(archive).run({"x": x})["z"], np.maximum(x @ W1 + B1, 0), rtol=1e-4, atol=1e-5
+    )
+    # Records from other hardware, or from another version of the template, never apply.
+    foreign = FileLog(tmp_path / "foreign.jsonl")
+    for record in FileLog(log_path).records():
+        foreign.append(dataclasses.replace(record, fingerprint="0" * 16))
+        foreign.append(dataclasses.replace(record, template_version=99))
+    archive = compiler_core.compile(model, "llvm", tuning=str(tmp_path / "foreign.jsonl"))
+    assert set(archive.manifest["kernels"].values()) == {"default schedule"}
+
+
+def test_the_search_measures_distinct_configs_and_keeps_the_best(tmp_path, target, measurer):
+    task = tasks_of(conv_model())[0]
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer, batch=4, seed=1)
+        tuner.run(trials=12)
+        records = log.records()
+    (state,) = tuner.states
+    assert len({config_key(r.config) for r in records}) == len(records) == 12
+    assert state.best_cost == min(r.cost for r in records if r.ok)
+    assert tuner.model.trained  # retrained as measurements arrived
+    assert isinstance(records[0], TuningRecord)
+
+
+def test_kiln_tune_then_compile_with_the_log(tmp_path):
+    model = tmp_path / "dense.onnx"
+    model.write_bytes(dense_model().SerializeToString())
+    log = tmp_path / "tuning.jsonl"
+    kiln = str(Path(sys.executable).parent / "kiln")
+    tune = subprocess.run(
+        [kiln, "tune", str(model), "--trials", "5", "--log", str(log)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert tune.returncode == 0, tune.stderr
+    assert "1 tuning tasks" in tune.stdout and len(log.read_text().splitlines()) == 5
+    build = subprocess.run(
+        [kiln, "compile", str(model), "--tuning", str(log), "-o", str(tmp_path / "m.kiln")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert build.returncode == 0 and "tuned kernels: 1 of" in build.stdout
+    no_budget = subprocess.run([kiln, "tune", str(model), "--log", str(log)], capture_output=True)
+    assert no_budget.returncode == 2 and b"--trials" in no_budget.stderr
