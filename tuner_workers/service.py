@@ -97,12 +97,16 @@ class JobRun:
             if not self.ledger.heartbeat(self.job["id"], self.owner):
                 return
 
-    def stage(self, name: str, **detail) -> None:
+    def check(self) -> None:
+        """Stop here if the job was cancelled or taken over by another worker."""
         current = self.ledger.get_job(self.job["id"])
         if current is None or current["status"] == "cancelled":
             raise JobStopped()
         if current.get("owner") != self.owner:
             raise JobStopped()  # taken over by another worker: let it finish
+
+    def stage(self, name: str, **detail) -> None:
+        self.check()
         self.ledger.update_job(self.job["id"], stage=name, **detail)
         self.event("stage", stage=name, **detail)
         log.info("job %s: %s %s", self.job["id"], name, detail or "")
@@ -133,7 +137,7 @@ def run_compile_job(
     run = JobRun(ledger, claimed, owner, settings.heartbeat_seconds)
     with run.heartbeating():
         try:
-            _compile_stages(run, store)
+            _compile_stages(run, store, settings)
         except JobStopped:
             log.info("job %s cancelled or taken over", job_id)
         except ValueError as err:  # the compiler's user errors: a model or option to fix
@@ -147,7 +151,48 @@ def run_compile_job(
     return ledger.get_job(job_id)
 
 
-def _compile_stages(run: JobRun, store) -> None:
+def _tune(run: JobRun, graph, target, request: dict, settings):
+    """Tune the graph's tasks within the request's budget against the shared log; returns the
+    log to build with, or None for an untuned build. Progress: a `tuning` event per batch, and
+    k/n tasks done (a task is done when its search has converged or its space is spent)."""
+    from compiler_core.autotune.measure import Measurer
+    from compiler_core.autotune.records import open_log
+    from compiler_core.autotune.search import Tuner
+    from compiler_core.autotune.tasks import extract_tasks
+
+    trials, budget = request.get("trials"), request.get("time_budget")
+    if not trials and not budget:
+        run.stage("tuning", progress={"tasks_done": 0, "tasks_total": 0}, tuned=False)
+        return None
+    tasks = extract_tasks(graph)
+    run.stage("tuning", progress={"tasks_done": 0, "tasks_total": len(tasks)}, tuned=True)
+    log = open_log(settings.resolved_tuning_log)
+
+    def progress(tuner, state) -> None:
+        run.check()
+        done = sum(1 for s in tuner.states if s.exhausted)
+        latency_ms = round(tuner.estimated_latency() * 1000, 4)
+        run.ledger.update_job(
+            run.job["id"], progress={"tasks_done": done, "tasks_total": len(tasks)}
+        )
+        run.event(
+            "tuning",
+            task=tuner.states.index(state),
+            workload=state.task.workload,
+            trials=state.trials,
+            best_gflops=round(state.best_gflops, 2),
+            tasks_done=done,
+            tasks_total=len(tasks),
+            estimated_ms=latency_ms,
+        )
+
+    with Measurer(target) as measurer:
+        tuner = Tuner(tasks, target, log, measurer, compiler_version=compiler_version())
+        tuner.run(trials=trials, time_budget=budget, progress=progress)
+    return log
+
+
+def _compile_stages(run: JobRun, store, settings) -> None:
     from compiler_core.compiler import attach_verification, compile_graph
     from compiler_core.frontend.onnx import import_model
     from compiler_core.passes.pipeline import optimize
@@ -163,11 +208,10 @@ def _compile_stages(run: JobRun, store) -> None:
     target = parse_target(job["target"])
     model = store.get_blob(job["model_digest"])
     graph = optimize(import_model(model, shapes=job.get("shapes") or None))
-    # Untuned until the auto-tuner lands: it fans out one task per workload here and
-    # reports each as it ends.
-    run.stage("tuning", progress={"tasks_done": 0, "tasks_total": 0}, tuned=False)
-    run.stage("building", kernels=len(graph.nodes))
-    archive = compile_graph(graph, target, job["model_digest"].split(":")[-1], verify=False)
+    tuning = _tune(run, graph, target, job.get("tuning") or {}, settings)
+    run.stage("building", kernels=len(graph.nodes), tuned=tuning is not None)
+    model_sha = job["model_digest"].split(":")[-1]
+    archive = compile_graph(graph, target, model_sha, verify=False, tuning=tuning)
     run.stage("verifying")
     archive = attach_verification(archive, graph)
     verification = archive.manifest["verification"]

@@ -39,6 +39,9 @@ class KilnSettings(BaseSettings):
     heartbeat_seconds: float = 2.0
     job_lease_seconds: float = 20.0
     worker_concurrency: int = 1
+    # The shared tuning log: a JSONL path or a redis:// URL. Default: the Redis the platform
+    # uses, else `<data_dir>/tuning.jsonl`.
+    tuning_log: str | None = None
 
     @field_validator("data_dir")
     @classmethod
@@ -60,6 +63,10 @@ class KilnSettings(BaseSettings):
     @property
     def ledger_path(self) -> Path:
         return self.data_dir / "ledger.sqlite"
+
+    @property
+    def resolved_tuning_log(self) -> str:
+        return self.tuning_log or self.redis_url or str(self.data_dir / "tuning.jsonl")
 
     @property
     def resolved_store_url(self) -> str:

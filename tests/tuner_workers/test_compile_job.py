@@ -11,6 +11,7 @@ import pytest
 from onnx import helper
 
 from artifact_store import FileStore
+from compiler_core.autotune.records import FileLog
 from compiler_core.runtime import load
 from tests.conftest import FLOAT, make_model
 from tuner_workers import service
@@ -147,3 +148,17 @@ def test_job_keys_depend_on_every_input():
     assert base != service.job_key("sha256:a", "llvm -mcpu=znver4", {"shapes": {"x": [1]}}, "1")
     assert base != service.job_key("sha256:a", "llvm", {"shapes": {"x": [2]}}, "1")
     assert base != service.job_key("sha256:a", "llvm", {"shapes": {"x": [1]}}, "2")
+
+
+def test_a_job_with_a_tuning_budget_tunes_against_the_shared_log(platform):
+    settings, ledger, store = platform
+    new_job(platform, tiny_model(), {"x": [4, 8]})
+    ledger.update_job("c-1", tuning={"trials": 5})
+    job = run(platform)
+    assert job["status"] == "done", job
+    assert job["progress"]["tasks_total"] == 1
+    tuning = [e for _, e in ledger.read_events("c-1") if e["type"] == "tuning"]
+    assert tuning and tuning[-1]["trials"] == 5 and tuning[-1]["best_gflops"] > 0
+    assert len(FileLog(settings.data_dir / "tuning.jsonl").records()) == 5
+    kernels = load(store.get_blob(job["artifact"])).manifest["kernels"].values()
+    assert any(isinstance(k, dict) and k["schedule"] == "tuned" for k in kernels)
