@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime_server import protocol
+from runtime_server.fastpath import InferFastPath
 from runtime_server.metrics import Metrics, RequestCounter
 from runtime_server.protocol import ProtocolError
 from runtime_server.repository import (
@@ -290,4 +291,11 @@ def create_app(
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(StarletteHTTPException, handle_http_error)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
+    app.add_middleware(
+        InferFastPath,
+        repository=repository,
+        metrics=app.state.metrics,
+        run_inference=run_inference,
+        status_of=status_of,
+    )
     return app
