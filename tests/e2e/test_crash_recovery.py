@@ -1,6 +1,7 @@
-"""Crash test: SIGKILL the worker mid-compilation; a restarted worker takes the job up again
-and stores a byte-identical artifact. On SQLite the broker never redelivers the fetched
-message and on Redis only after the visibility timeout: the ledger's orphan watch does it."""
+"""Crash tests: SIGKILL the worker mid-compilation; a restarted worker takes the job up again
+and stores a byte-identical artifact, and a tuning job resumes its search from the log. On
+SQLite the broker never redelivers the fetched message and on Redis only after the visibility
+timeout: the ledger's orphan watch does it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import httpx
 import pytest
 
 import compiler_core
+from compiler_core.autotune.records import RedisLog
+from tests.autotune.test_tuner import dense_model
 from tests.conftest import shared_model
 from tests.e2e.platform import Platform, free_port, redis_url, stop_group, wait_until
 
@@ -29,36 +32,60 @@ def start(module_args: list[str], env: dict, log) -> subprocess.Popen:
     )
 
 
+class Processes:
+    """The api and a worker as processes of their own (not `kiln serve`: the test kills the
+    worker alone), a way to start the next worker, and a clean stop of all of them."""
+
+    def __init__(self, tmp_path, redis: str | None):
+        self.env = dict(os.environ, KILN_DATA_DIR=str(tmp_path), KILN_API_KEYS=f"tests:{KEY}")
+        self.env.update(KILN_HEARTBEAT_SECONDS="0.5", KILN_JOB_LEASE_SECONDS="60")
+        self.env.update(KILN_NUM_THREADS="1")
+        self.env.pop("KILN_REDIS_URL", None)
+        if redis:
+            self.env["KILN_REDIS_URL"] = redis
+        self.log = tmp_path / "platform.log"
+        port = free_port()
+        self.running = [start(["api", "--port", str(port)], self.env, self.log)]
+        self.worker = self.start_worker()
+        self.platform = Platform(f"http://127.0.0.1:{port}", "", KEY, self.log)
+        ready = lambda: httpx.get(self.platform.api + "/health/ready").is_success  # noqa: E731
+        wait_until(ready, 60, "api", self.log)
+
+    def start_worker(self) -> subprocess.Popen:
+        self.worker = start(["tuner_workers", "worker", "-Q", "cpu"], self.env, self.log)
+        self.running.append(self.worker)
+        return self.worker
+
+    def kill_worker(self) -> None:
+        os.killpg(self.worker.pid, signal.SIGKILL)
+        self.worker.wait(10)
+
+    def stop(self) -> None:
+        for process in self.running:
+            stop_group(process)
+
+
 @pytest.mark.parametrize("backend", ["embedded", "redis"])
 def test_a_killed_worker_s_job_is_finished_by_the_next_worker(backend, tmp_path):
-    env = dict(os.environ, KILN_DATA_DIR=str(tmp_path), KILN_API_KEYS=f"tests:{KEY}")
-    env.update(KILN_HEARTBEAT_SECONDS="0.5", KILN_JOB_LEASE_SECONDS="60", KILN_NUM_THREADS="1")
-    env.pop("KILN_REDIS_URL", None)
-    if backend == "redis":
-        env["KILN_REDIS_URL"] = redis_url(13)
-    log = tmp_path / "platform.log"
-    port = free_port()
-    api = start(["api", "--port", str(port)], env, log)
-    worker = start(["tuner_workers", "worker", "-Q", "cpu"], env, log)
-    second = None
+    processes = Processes(tmp_path, redis_url(13) if backend == "redis" else None)
+    platform = processes.platform
     try:
-        platform = Platform(f"http://127.0.0.1:{port}", "", KEY, log)
-        wait_until(lambda: httpx.get(platform.api + "/health/ready").is_success, 60, "api", log)
         path = shared_model("mobilenet_v2")
         model = platform.upload(path.read_bytes())
         shapes = {model["inputs"][0]["name"]: [1, 3, 224, 224]}
         job_id = platform.compile(model["id"], shapes)["id"]
-
         building = wait_until(
-            lambda: platform.job(job_id)["stage"] == "building", 120, "job never built", log
+            lambda: platform.job(job_id)["stage"] == "building",
+            120,
+            "job never built",
+            platform.log,
         )
         assert building
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(10)
+        processes.kill_worker()
         orphan = platform.job(job_id)
         assert orphan["status"] == "running" and orphan["stage"] == "building"
 
-        second = start(["tuner_workers", "worker", "-Q", "cpu"], env, log)
+        processes.start_worker()
         job = platform.wait_job(job_id, seconds=300)
         assert job["status"] == "done", job
         assert job["attempts"] == 2
@@ -69,6 +96,35 @@ def test_a_killed_worker_s_job_is_finished_by_the_next_worker(backend, tmp_path)
         direct = compiler_core.compile(path.read_bytes(), "llvm", shapes=shapes).to_bytes()
         assert stored == direct
     finally:
-        for process in (api, worker, second):
-            if process is not None:
-                stop_group(process)
+        processes.stop()
+
+
+def test_a_tuning_job_killed_mid_search_resumes_without_losing_or_repeating_records(tmp_path):
+    """The shared Redis tuning log keeps every measured record; the job taken up again resumes
+    its search from the log instead of measuring a config twice."""
+    redis = redis_url(13)
+    processes = Processes(tmp_path, redis)
+    platform = processes.platform
+    tuning_log = RedisLog(redis)
+    try:
+        model = platform.upload(dense_model().SerializeToString())
+        body = {"model": model["id"], "target": "llvm", "tuning": {"trials": 16}}
+        job_id = platform.client.post("/v1/compilations", json=body).json()["id"]
+
+        def measuring():
+            return platform.job(job_id)["stage"] == "tuning" and len(tuning_log.records()) >= 4
+
+        wait_until(measuring, 120, "the job never measured", platform.log)
+        processes.kill_worker()
+        measured_before = len(tuning_log.records())
+        processes.start_worker()
+        job = platform.wait_job(job_id, seconds=300)
+        assert job["status"] == "done", job
+        records = tuning_log.records()
+        pairs = [(r.workload_key, r.config_key) for r in records]
+        assert len(pairs) == len(set(pairs))  # no config measured twice
+        assert len(records) > measured_before  # the search went on after the restart
+        manifest = platform.client.get(f"/v1/artifacts/{job['artifact']}/manifest").json()
+        assert manifest["verification"]["passed"]
+    finally:
+        processes.stop()
