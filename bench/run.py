@@ -1,7 +1,10 @@
 """Side-by-side benchmarks: Kiln's compiled modules against ONNX Runtime and numpy, measured in
 the same run on the same machine, with the machine's FMA peak as the yardstick.
 
-    .venv/bin/python -m bench.run [--models resnet18 mlp] [--threads 2] [--json bench/results.json]
+    .venv/bin/python -m bench.run [--models resnet18 mlp] [--threads 2] [--tuned]
+
+`--tuned` also builds each model with its committed log (`bench/tuning/<model>.jsonl`, written
+by `kiln tune`) and compares that build with ONNX Runtime in the same run.
 
 Latency is measured in alternating blocks (ten runs of one engine, then ten of the other, a
 0.3 s pause before each block and its first run dropped): ORT's worker threads keep spinning
@@ -41,6 +44,7 @@ MODEL_CASES = {
 }
 GEMM_CASES = [(n, n, n) for n in (256, 512, 1024, 2048)] + [(1, 784, 1024), (64, 784, 1024)]
 BLOCK, BLOCKS = 10, 8
+TUNING_DIR = Path(__file__).resolve().parent / "tuning"
 SETTLE_SECONDS = 0.3
 
 
@@ -156,10 +160,14 @@ def ort_session(model, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def bench_model(name: str, shapes, threads: int) -> dict:
-    path = MODELS_DIR / f"{name.split('_b')[0] if name.startswith('mlp') else name}.onnx"
+def model_file(name: str) -> str:
+    return name.split("_b")[0] if name.startswith("mlp") else name
+
+
+def bench_model(name: str, shapes, threads: int, tuning: Path | None = None) -> dict:
+    path = MODELS_DIR / f"{model_file(name)}.onnx"
     started = time.perf_counter()
-    archive = compiler_core.compile(str(path), shapes=shapes)
+    archive = compiler_core.compile(str(path), shapes=shapes, tuning=tuning)
     compile_seconds = time.perf_counter() - started
     module = load(archive, num_threads=threads)
     rng = np.random.default_rng(0)
@@ -178,8 +186,11 @@ def bench_model(name: str, shapes, threads: int) -> dict:
         session = ort_session(str(path), threads)
     times = interleaved(lambda: module.run(feeds), lambda: session.run(None, feeds))
     ours, theirs = stats(times["ours"]), stats(times["theirs"])
+    tuned = sum(1 for k in archive.manifest["kernels"].values() if isinstance(k, dict))
     return {
         "model": name,
+        "tuning": str(tuning) if tuning else None,
+        "tuned_kernels": tuned,
         "compile_seconds": round(compile_seconds, 2),
         "kiln": ours,
         "onnxruntime": theirs,
@@ -222,6 +233,11 @@ def main() -> None:
     parser.add_argument("--gemm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("bench/results.json"))
+    parser.add_argument(
+        "--tuned",
+        action="store_true",
+        help="also build each model with its log bench/tuning/<model>.jsonl and compare that",
+    )
     args = parser.parse_args()
 
     peak = fma_peak_gflops(args.threads)
@@ -238,14 +254,23 @@ def main() -> None:
         f"{'kiln/ORT':>8s}"
     )
     for name in args.models:
-        r = bench_model(name, MODEL_CASES[name], args.threads)
-        results["models"].append(r)
-        print(
-            f"{name:14s} {r['compile_seconds']:9.1f} "
-            f"{r['kiln']['median_ms']:8.3f} ({r['kiln']['p90_ms']:6.3f}) "
-            f"{r['onnxruntime']['median_ms']:8.3f} ({r['onnxruntime']['p90_ms']:6.3f}) "
-            f"{r['ratio_median']:8.2f}"
-        )
+        logs = [None]
+        if args.tuned:
+            logs.append(TUNING_DIR / f"{model_file(name)}.jsonl")
+        for log in logs:
+            if log is not None and not log.exists():
+                print(f"{name}: no tuning log {log}")
+                continue
+            r = bench_model(name, MODEL_CASES[name], args.threads, log)
+            results["models"].append(r)
+            label = f"{name} tuned" if log else name
+            print(
+                f"{label:14s} {r['compile_seconds']:9.1f} "
+                f"{r['kiln']['median_ms']:8.3f} ({r['kiln']['p90_ms']:6.3f}) "
+                f"{r['onnxruntime']['median_ms']:8.3f} ({r['onnxruntime']['p90_ms']:6.3f}) "
+                f"{r['ratio_median']:8.2f}"
+                + (f"  ({r['tuned_kernels']} tuned kernels)" if log else "")
+            )
     if args.gemm:
         print(
             f"{'GEMM m,k,n':18s} {'kiln GFLOP/s':>12s} {'numpy':>8s} {'kiln/numpy':>10s} "
