@@ -20,6 +20,7 @@ kiln worker [-Q QUEUES] [--concurrency N]     a Celery worker for this machine's
 kiln api [--host H] [--port P]                the HTTP api
 kiln runtime [--host H] [--port P]            the inference server (Open Inference Protocol)
 kiln gc [--grace SECONDS] [--dry-run]         delete store blobs no manifest references
+kiln submit model.onnx --server URL [--tune 10m] [--deploy NAME]   compile (and deploy) on a server
 """
 
 from __future__ import annotations
@@ -346,6 +347,7 @@ SERVICE_COMMANDS = {
     "gc": ["tuner_workers", "gc"],
     "api": ["api"],
     "runtime": ["runtime_server"],
+    "submit": ["api.submit"],
 }
 
 
