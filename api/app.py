@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from api import errors, schemas
+from api import console, errors, schemas
 from api.routes import router
 from api.services import Platform
 from tuner_workers.settings import KilnSettings
@@ -27,6 +27,7 @@ def create_app(settings: KilnSettings | None = None) -> FastAPI:
     app.state.platform = Platform(settings)
     errors.install(app)
     app.include_router(router)
+    console.install(app)
     _install_health_and_metrics(app)
     return app
 

@@ -230,6 +230,10 @@ def parse_duration(text: str) -> float:
         raise UsageError(f"--time-budget {text!r}: expected e.g. 90s, 20m or 1h") from None
 
 
+def _ms(seconds: float | None) -> str:
+    return "(after every task's first batch)" if seconds is None else f"{seconds * 1000:.3f} ms"
+
+
 def cmd_tune(args) -> int:
     from compiler_core.autotune.measure import MeasureOptions, Measurer
     from compiler_core.autotune.records import open_log
@@ -253,8 +257,8 @@ def cmd_tune(args) -> int:
         k = tuner.states.index(state)
         print(
             f"[{time.perf_counter() - started:6.0f}s] {tuner.trials:5d} trials | task {k}: "
-            f"{state.trials} trials, best {state.best_gflops:.1f} GFLOP/s | tuned tasks' "
-            f"estimated time {tuner.estimated_latency() * 1000:.3f} ms",
+            f"{state.trials} trials, best {state.best_gflops:.1f} GFLOP/s | tuned kernels' "
+            f"estimated time {_ms(tuner.estimated_latency())}",
             flush=True,
         )
 

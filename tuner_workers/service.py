@@ -171,7 +171,8 @@ def _tune(run: JobRun, graph, target, request: dict, settings):
     def progress(tuner, state) -> None:
         run.check()
         done = sum(1 for s in tuner.states if s.exhausted)
-        latency_ms = round(tuner.estimated_latency() * 1000, 4)
+        estimate = tuner.estimated_latency()
+        latency_ms = None if estimate is None else round(estimate * 1000, 4)
         run.ledger.update_job(
             run.job["id"], progress={"tasks_done": done, "tasks_total": len(tasks)}
         )

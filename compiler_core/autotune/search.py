@@ -205,10 +205,10 @@ class Tuner:
 
     # --- what the session found ---------------------------------------------------------
 
-    def estimated_latency(self) -> float:
-        """Seconds of the tuned tasks in one model run (sum of occurrences x best cost)."""
-        return sum(
-            s.task.weight * (s.best_cost if math.isfinite(s.best_cost) else s.default_cost)
-            for s in self.states
-            if math.isfinite(s.best_cost) or math.isfinite(s.default_cost)
-        )
+    def estimated_latency(self) -> float | None:
+        """Seconds of the tuned tasks in one model run (occurrences x best cost), once every
+        task has a measurement; None before (a partial sum would grow as tasks are reached)."""
+        costs = [min(s.best_cost, s.default_cost) for s in self.states]
+        if not all(math.isfinite(c) for c in costs):
+            return None
+        return sum(s.task.weight * c for s, c in zip(self.states, costs, strict=True))

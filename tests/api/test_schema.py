@@ -82,6 +82,11 @@ EXPECTED_ERRORS = {
     ("get", "/v1/deployments"): {401},
     ("get", "/v1/deployments/{name}"): {401, 404, 422},
     ("delete", "/v1/deployments/{name}"): {401, 404, 422, 502, 503},
+    # the console's routes (api/console.py)
+    ("get", "/v1/artifacts/{digest}/kernels"): {401, 404, 422, 503},
+    ("get", "/v1/deployments/{name}/stats"): {401, 404, 422, 502, 503},
+    ("post", "/v1/deployments/{name}/infer"): {400, 401, 404, 422, 502, 503},
+    ("get", "/v1/tuning"): {401, 503},
 }
 
 
