@@ -29,28 +29,14 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+# The wire format is the runtime server's: one table of datatypes (numpy only, no server code).
+from runtime_server.protocol import BINARY_TYPE, DATATYPES, HEADER_LENGTH, datatype_of
+
 TERMINAL_EVENTS = frozenset({"done", "failed", "cancelled"})
-HEADER_LENGTH = "Inference-Header-Content-Length"
 # The api sends a keep-alive comment every 15 s on an idle stream: a read that waits much
 # longer than that means the connection is gone.
 STREAM_READ_TIMEOUT = 60.0
 RESUME_ATTEMPTS = 5
-
-DATATYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-}
-_DATATYPE_NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 
 
 class KilnError(Exception):
@@ -367,9 +353,9 @@ def _make_event(event_id: str | None, kind: str, text: str) -> Event:
 
 def _datatype(dtype: np.dtype) -> str:
     try:
-        return _DATATYPE_NAMES[np.dtype(dtype)]
-    except KeyError:
-        raise KilnError(f"numpy dtype {dtype} has no Open Inference Protocol datatype") from None
+        return datatype_of(dtype)
+    except ValueError as err:
+        raise KilnError(str(err)) from None
 
 
 def encode_infer_request(inputs: Mapping[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
@@ -391,7 +377,7 @@ def encode_infer_request(inputs: Mapping[str, np.ndarray]) -> tuple[bytes, dict[
     header = json.dumps(
         {"inputs": tensors, "parameters": {"binary_data_output": True}}, separators=(",", ":")
     ).encode()
-    headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+    headers = {"Content-Type": BINARY_TYPE, HEADER_LENGTH: str(len(header))}
     return header + b"".join(chunks), headers
 
 

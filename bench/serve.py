@@ -63,10 +63,11 @@ import httpx
 import numpy as np
 
 import compiler_core
+from api.client import decode_infer_response, encode_infer_request
 from artifact_store import open_store
 from bench.run import cpu_name
 from compiler_core.runtime import load
-from runtime_server.protocol import BINARY_TYPE, DATATYPES, HEADER_LENGTH, datatype_of
+from runtime_server.protocol import HEADER_LENGTH
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO.parent / "shared" / "models"
@@ -84,47 +85,11 @@ OTHER_LOAD_WARNING = 0.1  # cores: on a 2-core box anything more moves the figur
 # --- wire format -------------------------------------------------------------------------------
 
 
-def encode_request(inputs: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
-    """(body, headers) of an inference request with every input in binary."""
-    tensors, chunks = [], []
-    for name, array in inputs.items():
-        raw = np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
-        tensors.append(
-            {
-                "name": name,
-                "shape": list(array.shape),
-                "datatype": datatype_of(array.dtype),
-                "parameters": {"binary_data_size": len(raw)},
-            }
-        )
-        chunks.append(raw)
-    header = json.dumps(
-        {"inputs": tensors, "parameters": {"binary_data_output": True}}, separators=(",", ":")
-    ).encode()
-    headers = {HEADER_LENGTH: str(len(header)), "Content-Type": BINARY_TYPE}
-    return header + b"".join(chunks), headers
-
-
-def decode_response(content: bytes, header_length: str) -> dict[str, np.ndarray]:
-    length = int(header_length)
-    header = json.loads(content[:length])
-    outputs, offset = {}, length
-    for tensor in header["outputs"]:
-        size = tensor["parameters"]["binary_data_size"]
-        dtype = DATATYPES[tensor["datatype"]].newbyteorder("<")
-        raw = content[offset : offset + size]
-        outputs[tensor["name"]] = np.frombuffer(raw, dtype).reshape(tensor["shape"])
-        offset += size
-    if offset != len(content):
-        raise ValueError(f"{len(content) - offset} unclaimed bytes after the outputs")
-    return outputs
-
-
 def response_ok(status, content, header_length, expected: dict[str, np.ndarray]) -> bool:
     if status != 200 or header_length is None:
         return False
     try:
-        outputs = decode_response(content, header_length)
+        outputs = decode_infer_response(content, header_length)
     except (KeyError, TypeError, ValueError):
         return False
     return outputs.keys() == expected.keys() and all(
@@ -413,7 +378,7 @@ def bench_model(name: str, args, work: Path) -> dict:
     cases = []
     for _ in range(DISTINCT_INPUTS):
         feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
-        cases.append((feeds, module.run(feeds), *encode_request(feeds)))
+        cases.append((feeds, module.run(feeds), *encode_infer_request(feeds)))
 
     process, base, log = start_server(data_dir, name, digest, args.instances, args.threads)
     clients = [httpx.Client(timeout=REQUEST_TIMEOUT) for _ in range(args.concurrency)]

@@ -30,3 +30,9 @@ def test_the_artifact_store_imports_nothing_of_ours():
     modules = loaded_after("import artifact_store")
     ours = ("compiler_core", "api", "tuner_workers", "runtime_server")
     assert not {m for m in modules if m.split(".")[0] in ours}
+
+
+def test_the_client_needs_only_httpx_and_numpy():
+    modules = loaded_after("import api.client")
+    heavy = ("fastapi", "starlette", "celery", "compiler_core", "tuner_workers", "llvmlite")
+    assert not {m for m in modules if m.split(".")[0] in heavy}
