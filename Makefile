@@ -32,6 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
+	bash .ci/services
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 bench: $(STAMP)
