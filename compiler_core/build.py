@@ -100,11 +100,12 @@ class LoweredGroup:
     outputs: list[str]
     packed: dict[str, np.ndarray]
     stages: list[StageInfo]
+    target: Target  # the target it was lowered for (its vector width shaped the packing)
 
 
-def lower_group(graph: Graph, group, index: int) -> LoweredGroup:
+def lower_group(graph: Graph, group, index: int, target: Target) -> LoweredGroup:
     nodes = [graph.node_by_name[name] for name in group.nodes]
-    ctx = KernelContext(graph, f"g{index}")
+    ctx = KernelContext(graph, f"g{index}", target)
     for node in nodes:
         builder = KERNELS.get(node.op)
         if builder is None:
@@ -123,12 +124,14 @@ def lower_group(graph: Graph, group, index: int) -> LoweredGroup:
     func = te.lower([t for _, t in ctx.inputs], out_tensors, name)
     stages = _stage_infos(ctx, out_tensors)
     inputs = [value for value, _ in ctx.inputs]
-    return LoweredGroup(name, func, inputs, outputs, ctx.packed_arrays, stages)
+    return LoweredGroup(name, func, inputs, outputs, ctx.packed_arrays, stages, target)
 
 
-def build_group(graph: Graph, group, index: int, schedule=None) -> GroupKernel:
-    lowered = lower_group(graph, group, index)
-    records = list(schedule) if schedule is not None else default_schedule(lowered.stages)
+def build_group(graph: Graph, group, index: int, target: Target, schedule=None) -> GroupKernel:
+    lowered = lower_group(graph, group, index, target)
+    if schedule is None:
+        schedule = default_schedule(lowered.stages, target)
+    records = list(schedule)
     func = apply(lowered.func, records)
     return GroupKernel(
         lowered.name,
@@ -300,7 +303,7 @@ def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None 
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)
-        kernels.append(build_group(graph, group, index, override))
+        kernels.append(build_group(graph, group, index, target, override))
     memory = plan_memory(graph, kernels)
     weights = layout_weights(graph, kernels)
     distinct = dedupe(kernels)  # first: the entry calls each kernel's shared function

@@ -246,8 +246,8 @@ def cmd_tune(args) -> int:
         raise UsageError("give a budget: --trials N or --time-budget 20m")
     budget = parse_duration(args.time_budget) if args.time_budget else None
     target = parse_target(args.target)
-    graph = optimize(import_model(args.model, shapes=parse_shapes(args.shape)))
-    tasks = extract_tasks(graph)
+    graph = optimize(import_model(args.model, shapes=parse_shapes(args.shape)), target=target)
+    tasks = extract_tasks(graph, target)
     print(f"{args.model}: {len(tasks)} tuning tasks for {target} (log {args.log})")
     for k, task in enumerate(tasks):
         print(f"  task {k}: {task.workload} x{task.weight}, {len(task.space())} configs")

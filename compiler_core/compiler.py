@@ -194,5 +194,5 @@ def compile(  # noqa: A001 - the documented entry point's name
     """Compile an ONNX model (path, bytes or ModelProto) to a native module archive, with the
     best schedules of the tuning log `tuning` (a path, a `redis://` URL or a TuningLog)."""
     target = parse_target(target) if isinstance(target, str) else target
-    graph = optimize(import_model(model, shapes=shapes))
+    graph = optimize(import_model(model, shapes=shapes), target=target)
     return compile_graph(graph, target, sha256(_model_bytes(model)), tuning=tuning)

@@ -25,6 +25,16 @@ class Target:
         return 512 if "+avx512f" in self.features.split(",") else 256
 
     @property
+    def vector_lanes(self) -> int:
+        """float32 lanes of one vector register: 16 (zmm) with AVX-512, else 8 (ymm)."""
+        return self.vector_bits // 32
+
+    @property
+    def vector_registers(self) -> int:
+        """Architectural vector registers: 32 zmm with AVX-512, 16 ymm with AVX2."""
+        return 32 if self.vector_bits == 512 else 16
+
+    @property
     def fingerprint(self) -> str:
         """What tuning records and cached objects are keyed by."""
         enabled = sorted(f for f in self.features.split(",") if f.startswith("+"))

@@ -164,7 +164,7 @@ def _tune(run: JobRun, graph, target, request: dict, settings):
     if not trials and not budget:
         run.stage("tuning", progress={"tasks_done": 0, "tasks_total": 0}, tuned=False)
         return None
-    tasks = extract_tasks(graph)
+    tasks = extract_tasks(graph, target)
     run.stage("tuning", progress={"tasks_done": 0, "tasks_total": len(tasks)}, tuned=True)
     log = open_log(settings.resolved_tuning_log)
 
@@ -208,7 +208,7 @@ def _compile_stages(run: JobRun, store, settings) -> None:
     run.stage("importing")
     target = parse_target(job["target"])
     model = store.get_blob(job["model_digest"])
-    graph = optimize(import_model(model, shapes=job.get("shapes") or None))
+    graph = optimize(import_model(model, shapes=job.get("shapes") or None), target=target)
     tuning = _tune(run, graph, target, job.get("tuning") or {}, settings)
     run.stage("building", kernels=len(graph.nodes), tuned=tuning is not None)
     model_sha = job["model_digest"].split(":")[-1]

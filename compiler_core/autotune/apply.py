@@ -20,7 +20,7 @@ def tuned_schedules(
     """({group name: schedule records}, {group name: what the manifest says about it})."""
     log = open_log(tuning)
     schedules, notes = {}, {}
-    for task in extract_tasks(graph):
+    for task in extract_tasks(graph, target):
         best = log.best(task.key, target.fingerprint, task.template, task.template_version)
         if best is None:
             continue

@@ -19,6 +19,7 @@ from compiler_core.graph.ir import Graph
 from compiler_core.kernels.schedules import Config, Tunable, schedule_for, tunable_of
 from compiler_core.loop.printer import format_func
 from compiler_core.schedule.primitives import Record
+from compiler_core.target import Target, host_target
 
 
 @dataclasses.dataclass
@@ -44,7 +45,7 @@ class Task:
 
     def records(self, config: Config | None = None) -> list[Record]:
         """The whole group's schedule with the template at `config`."""
-        return schedule_for(self.lowered.stages, config)
+        return schedule_for(self.lowered.stages, self.lowered.target, config)
 
     def space(self) -> list[dict[str, object]]:
         """Every config of the template's knobs that fits the registers, default first."""
@@ -53,7 +54,7 @@ class Task:
         configs = [default]
         for values in itertools.product(*(knob.choices for knob in knobs)):
             config = dict(zip((knob.name for knob in knobs), values, strict=True))
-            if config != default and self.tunable.template.fits(self.tunable.anchor, config):
+            if config != default and self.tunable.fits(config):
                 configs.append(config)
         return configs
 
@@ -80,12 +81,14 @@ def flops_of(tunable: Tunable) -> float:
     return 2.0 * math.prod(anchor.shape) * math.prod(e for _, e in anchor.reduce_axes)
 
 
-def extract_tasks(graph: Graph) -> list[Task]:
-    """The graph's tuning tasks, heaviest (FLOPs x occurrences) first."""
+def extract_tasks(graph: Graph, target: Target | None = None) -> list[Task]:
+    """The graph's tuning tasks for `target` (default: the host CPU), heaviest (FLOPs x
+    occurrences) first."""
+    target = target or host_target()
     tasks: dict[str, Task] = {}
     for index, group in enumerate(graph.groups):
-        lowered = lower_group(graph, group, index)
-        tunable = tunable_of(lowered.stages)
+        lowered = lower_group(graph, group, index, target)
+        tunable = tunable_of(lowered.stages, target)
         if tunable is None:
             continue
         key, workload = workload_of(lowered, tunable)

@@ -14,6 +14,7 @@ import numpy as np
 
 from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.loop.ir import INDEX, Const, Expr
+from compiler_core.target import Target
 from compiler_core.te import Tensor, placeholder
 
 
@@ -22,8 +23,9 @@ class KernelError(ValueError):
 
 
 class KernelContext:
-    def __init__(self, graph: Graph, prefix: str):
+    def __init__(self, graph: Graph, prefix: str, target: Target):
         self.graph = graph
+        self.target = target  # its vector width decides packing blocks and panels
         self.prefix = prefix
         self.tensors: dict[str, Tensor] = {}
         self.inputs: list[tuple[str, Tensor]] = []  # (graph value or packed name, placeholder)

@@ -1,9 +1,9 @@
 """Heavy operators: convolution, dense algebra and pooling, as tensor expressions.
 
 Weights are repacked at build time into the layouts the default schedules read with unit
-stride: a dense B into NR-wide column panels `[N/NR, K, NR]`, conv weights into 16-wide output
-channel blocks `[M/16, C/g, KH, KW, 16]`. Padding becomes its own stage, so the inner loops of
-a convolution never test bounds.
+stride: a dense B into NR-wide column panels `[N/NR, K, NR]` (NR two vector registers wide),
+conv weights into output channel blocks of one vector `[M/b, C/g, KH, KW, b]`. Padding becomes
+its own stage, so the inner loops of a convolution never test bounds.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from compiler_core.kernels.base import Builder, KernelContext, KernelError, broa
 from compiler_core.kernels.injective import clamp
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_min, reduce_sum
-
-CHANNEL_BLOCK = 16  # output channels per vector (16 x float32 = one zmm register)
-PANEL = 32  # GEMM columns per packed panel (two zmm registers)
 
 
 def _padded(ctx: KernelContext, node: Node, x: Tensor, pads, fill, nsp: int = 0) -> Tensor:
@@ -73,7 +70,7 @@ def _conv(ctx: KernelContext, node: Node):
     has_bias = len(node.inputs) > 2 and node.inputs[2]
 
     depthwise = cg == 1 and mg == 1
-    block = next((b for b in (CHANNEL_BLOCK, 8, 4) if mg % b == 0), 0)
+    block = next((b for b in (ctx.target.vector_lanes, 8, 4) if mg % b == 0), 0)
     packed = ctx.is_constant(node.inputs[1]) and block > 0 and not depthwise
     if packed:
         weights = ctx.constant(node.inputs[1])
@@ -182,11 +179,12 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
     ]
 
 
-def panel_width(columns: int) -> int:
-    """Columns per packed panel: 32 (two vectors) when it divides, else one panel of all
-    the columns when they are few, else 32 with zero-padded columns."""
-    if columns % PANEL == 0 or columns > 2 * PANEL:
-        return PANEL
+def panel_width(columns: int, lanes: int) -> int:
+    """Columns per packed panel: two vectors when it divides, else one panel of all the columns
+    when they are few, else two vectors with zero-padded columns."""
+    panel = 2 * lanes
+    if columns % panel == 0 or columns > 2 * panel:
+        return panel
     return columns
 
 
@@ -197,7 +195,7 @@ def _panel_weights(ctx: KernelContext, value: str, transpose: bool, scale: float
     if scale != 1.0:
         matrix = matrix * np.asarray(scale, matrix.dtype)
     k, n = matrix.shape
-    width = panel_width(n)
+    width = panel_width(n, ctx.target.vector_lanes)
     padded_n = -(-n // width) * width
     if padded_n != n:
         matrix = np.concatenate([matrix, np.zeros((k, padded_n - n), matrix.dtype)], axis=1)

@@ -25,12 +25,13 @@ from compiler_core.schedule.primitives import (
     Unroll,
     Vectorize,
 )
+from compiler_core.target import Target
 
-VECTOR_LANES = 16
-VECTOR_REGISTERS = 32
-# A register tile of accumulators, plus a weight vector and a broadcast input, within the 32
-# vector registers.
-MAX_ACCUMULATORS = 28
+
+def max_accumulators(target: Target) -> int:
+    """A register tile of accumulators, with room left for a weight vector, a broadcast input
+    and an address or two: 28 of AVX-512's 32 registers, 12 of AVX2's 16."""
+    return target.vector_registers - 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,14 +103,14 @@ def _vector_tile_io(stage: StageInfo) -> list[Record]:
 
 
 def conv_schedule(
-    conv: StageInfo, epilogue: StageInfo | None, depthwise: bool, block: int
+    conv: StageInfo, epilogue: StageInfo | None, depthwise: bool, block: int, target: Target
 ) -> list[Record]:
     n_loop, m_loop, y_loop, x_loop = (conv.loop(k) for k in range(4))
     width = conv.shape[3]
     reduce_loops = [name for name, _ in conv.reduce_axes]
     records: list[Record] = []
     if depthwise:
-        lanes = _largest_divisor(width, (16, 8, 4))
+        lanes = _largest_divisor(width, (target.vector_lanes, 8, 4))
         records += [Split(x_loop, lanes)]
         records += [Reorder((n_loop, m_loop, y_loop, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i"))]
         records += [CacheWrite(conv.name, reduce_loops[0])]
@@ -119,7 +120,8 @@ def conv_schedule(
             records.append(ReverseComputeInline(epilogue.name))
         records += [Fuse(m_loop, y_loop), Parallel(f"{m_loop}_{y_loop}_f")]
         return records
-    tile = _largest_divisor(width, (8, 7, 6, 5, 4, 3, 2))
+    most = max_accumulators(target) // max(block // target.vector_lanes, 1)
+    tile = _largest_divisor(width, tuple(range(min(8, most), 1, -1)))
     records += [Split(m_loop, block), Split(x_loop, tile)]
     records += [
         Reorder(
@@ -147,7 +149,7 @@ def conv_schedule(
 
 
 def nchwc_conv_schedule(
-    conv: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object]
+    conv: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
 ) -> list[Record]:
     """Conv writing NCHW[b]c: a row of `tile` output pixels x one b-channel block held in
     registers over the whole reduction (broadcast an input value, FMA with a weight vector);
@@ -181,11 +183,14 @@ def nchwc_conv_schedule(
     return [*records, Parallel(parallel)]
 
 
-def _nchwc_knobs(conv: StageInfo) -> tuple[Knob, ...]:
+def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
     width = conv.shape[3]
-    default_tile = NCHWC_TILE if conv.note("layout") == "nchwc" else NCHWC_DEPTHWISE_TILE
-    default_tile = _largest_divisor(width, tuple(range(default_tile, 0, -1)))
-    tiles = tuple(t for t in range(1, MAX_ACCUMULATORS + 1) if width % t == 0)
+    # Vectors per channel block: a 16-channel block on an 8-lane target takes two registers.
+    vectors = max(conv.shape[4] // target.vector_lanes, 1)
+    most = max_accumulators(target) // vectors
+    preferred = NCHWC_TILE if conv.note("layout") == "nchwc" else NCHWC_DEPTHWISE_TILE
+    default_tile = _largest_divisor(width, tuple(range(min(preferred, most), 0, -1)))
+    tiles = tuple(t for t in range(1, most + 1) if width % t == 0)
     knobs = [
         Knob("tile", tiles, default_tile),
         Knob("parallel", ("mo_y", "mo_y_x"), "mo_y"),
@@ -198,7 +203,7 @@ def _nchwc_knobs(conv: StageInfo) -> tuple[Knob, ...]:
     return tuple(knobs)
 
 
-# Output pixels per register tile: accumulators + a weight vector must fit the 32 registers.
+# Output pixels per register tile (at most max_accumulators(target) vectors).
 NCHWC_TILE = 14
 NCHWC_DEPTHWISE_TILE = 8
 
@@ -212,7 +217,7 @@ def _gemm_rows(mm: StageInfo) -> tuple[int, bool]:
 
 
 def matmul_schedule(
-    mm: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object]
+    mm: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
 ) -> list[Record]:
     """Register-tiled GEMM: an mr x nr tile of accumulators over the whole reduction
     (broadcast A, load a vector of B's packed panel, FMA). Knobs: mr, nr, the order of the
@@ -234,8 +239,9 @@ def matmul_schedule(
     mr, nr = int(config["mr"]), int(config["nr"])
     records += [Split(i_loop, mr), Split(j_loop, nr)]
     inner_j = [f"{j_loop}_i"]
-    if nr > VECTOR_LANES and nr % VECTOR_LANES == 0:
-        records.append(Split(f"{j_loop}_i", VECTOR_LANES))
+    lanes = target.vector_lanes
+    if nr > lanes and nr % lanes == 0:
+        records.append(Split(f"{j_loop}_i", lanes))
         inner_j = [f"{j_loop}_i_o", f"{j_loop}_i_i"]
     tiles = [f"{i_loop}_o", f"{j_loop}_o"]
     extents = [rows // mr, -(-cols // nr)]
@@ -261,11 +267,13 @@ def matmul_schedule(
     return records
 
 
-def _matmul_knobs(mm: StageInfo) -> tuple[Knob, ...]:
+def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
     rows, _ = _gemm_rows(mm)
     cols = mm.shape[-1]
-    panel = mm.note("panel") or 32
-    default_mr = _largest_divisor(rows, (12, 8, 6, 4, 3, 2))
+    panel = mm.note("panel") or 2 * target.vector_lanes
+    # mr rows x two vectors of accumulators: 12 x 32 with AVX-512, 6 x 16 with AVX2.
+    row_candidates = (12, 8, 6, 4, 3, 2) if target.vector_registers >= 32 else (6, 4, 3, 2)
+    default_mr = _largest_divisor(rows, row_candidates)
     default_nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
     mrs = tuple(m for m in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16) if rows % m == 0)
     nrs = tuple(sorted({n for n in (4, 8, 16, 32, 48, 64) if cols % n == 0} | {default_nr}))
@@ -277,10 +285,10 @@ def _matmul_knobs(mm: StageInfo) -> tuple[Knob, ...]:
     )
 
 
-def _matmul_fits(mm: StageInfo, config: Mapping[str, object]) -> bool:
+def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) -> bool:
     """mr x nr accumulators plus a row of B must fit the vector registers."""
-    vectors = max(int(config["nr"]) // VECTOR_LANES, 1)
-    return int(config["mr"]) * vectors + vectors <= VECTOR_REGISTERS
+    vectors = max(int(config["nr"]) // target.vector_lanes, 1)
+    return int(config["mr"]) * vectors + vectors <= target.vector_registers
 
 
 # --- templates: the default schedules with their knobs --------------------------------------
@@ -303,9 +311,9 @@ class Template:
 
     name: str
     version: int
-    knobs: Callable[[StageInfo], tuple[Knob, ...]]
-    schedule: Callable[[StageInfo, StageInfo | None, Config], list[Record]]
-    fits: Callable[[StageInfo, Config], bool] = lambda _anchor, _config: True
+    knobs: Callable[[StageInfo, Target], tuple[Knob, ...]]
+    schedule: Callable[[StageInfo, StageInfo | None, Config, Target], list[Record]]
+    fits: Callable[[StageInfo, Config, Target], bool] = lambda _anchor, _config, _target: True
 
 
 TEMPLATES: dict[str, Template] = {
@@ -322,6 +330,7 @@ class Tunable:
     anchor: StageInfo
     epilogue: StageInfo | None
     knobs: tuple[Knob, ...]
+    target: Target
 
     def default_config(self) -> dict[str, object]:
         return {knob.name: knob.default for knob in self.knobs}
@@ -339,24 +348,28 @@ class Tunable:
                     f"{self.template.name}: knob {knob.name}={full[knob.name]!r} is not one "
                     f"of {list(knob.choices)}"
                 )
-        if not self.template.fits(self.anchor, full):
+        if not self.fits(full):
             raise ValueError(f"{self.template.name}: config {full} does not fit the registers")
         return full
 
+    def fits(self, config: Config) -> bool:
+        return self.template.fits(self.anchor, config, self.target)
+
     def records(self, config: Config | None = None) -> list[Record]:
         full = self.check(config or {})
-        return self.template.schedule(self.anchor, self.epilogue, full)
+        return self.template.schedule(self.anchor, self.epilogue, full, self.target)
 
 
-def generic_schedule(stage: StageInfo) -> list[Record]:
+def generic_schedule(stage: StageInfo, target: Target) -> list[Record]:
     """Parallel outermost loop with work; vectorize the innermost loop of a pure stage."""
     records: list[Record] = []
     rank = len(stage.shape)
     if rank == 0:
         return records
     inner = rank - 1
-    if stage.pure and stage.shape[inner] % VECTOR_LANES == 0:
-        records += [Split(stage.loop(inner), VECTOR_LANES), Vectorize(f"{stage.loop(inner)}_i")]
+    lanes = target.vector_lanes
+    if stage.pure and stage.shape[inner] % lanes == 0:
+        records += [Split(stage.loop(inner), lanes), Vectorize(f"{stage.loop(inner)}_i")]
     outer = next((k for k in range(rank) if stage.shape[k] > 1), None)
     if outer is not None and not (stage.pure and outer == inner and records):
         records.append(Parallel(stage.loop(outer)))
@@ -377,7 +390,7 @@ def _prepared(stages: list[StageInfo]):
     return stages, records, kept, inlined, anchor
 
 
-def tunable_of(stages: list[StageInfo]) -> Tunable | None:
+def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
     """The group's tunable stage, if its anchor has a template."""
     stages, _, kept, inlined, anchor = _prepared(stages)
     if anchor is None:
@@ -390,15 +403,17 @@ def tunable_of(stages: list[StageInfo]) -> Tunable | None:
     else:
         return None
     epilogue = _epilogue_of(anchor, kept, inlined, stages)
-    return Tunable(template, anchor, epilogue, template.knobs(anchor))
+    return Tunable(template, anchor, epilogue, template.knobs(anchor, target), target)
 
 
-def schedule_for(stages: list[StageInfo], config: Config | None = None) -> list[Record]:
+def schedule_for(
+    stages: list[StageInfo], target: Target, config: Config | None = None
+) -> list[Record]:
     """The group's schedule: inline intermediates, the anchor's template at `config` (its
     default point when None), and a generic parallel/vector schedule for the other stages."""
     stages, records, kept, inlined, anchor = _prepared(stages)
     handled: set[str] = set()
-    tunable = tunable_of(stages)
+    tunable = tunable_of(stages, target)
     if tunable is not None:
         records += tunable.records(config)
         handled.add(anchor.name)
@@ -407,7 +422,7 @@ def schedule_for(stages: list[StageInfo], config: Config | None = None) -> list[
         layout = anchor.note("layout")
         if anchor.op == "Conv" and len(anchor.shape) == 4 and layout in ("packed", "depthwise"):
             depthwise = layout == "depthwise"
-            records += conv_schedule(anchor, epilogue, depthwise, anchor.note("block"))
+            records += conv_schedule(anchor, epilogue, depthwise, anchor.note("block"), target)
             handled.add(anchor.name)
             if epilogue is not None:
                 handled.add(epilogue.name)
@@ -415,9 +430,9 @@ def schedule_for(stages: list[StageInfo], config: Config | None = None) -> list[
         handled.add(tunable.epilogue.name)
     for stage in kept:
         if stage.name not in handled:
-            records += generic_schedule(stage)
+            records += generic_schedule(stage, target)
     return records
 
 
-def default_schedule(stages: list[StageInfo]) -> list[Record]:
-    return schedule_for(stages)
+def default_schedule(stages: list[StageInfo], target: Target) -> list[Record]:
+    return schedule_for(stages, target)

@@ -1,7 +1,12 @@
-"""The one ordered pass pipeline. Each entry is (name, run); any stage can be dumped by name."""
+"""The one ordered pass pipeline. Each entry is (name, run); any stage can be dumped by name.
+
+One pass depends on the target: the layout pass blocks channels by the target's vector width.
+`pipeline(target)` binds it; every other pass is target-independent.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from compiler_core.graph.ir import Graph
@@ -15,9 +20,17 @@ from compiler_core.passes import (
     simplify_inference,
     transform_layout,
 )
+from compiler_core.target import Target, host_target
 
 Pass = Callable[[Graph], Graph]
 
+
+def pipeline(target: Target) -> tuple[tuple[str, Pass], ...]:
+    layout = functools.partial(transform_layout.run, lanes=target.vector_lanes)
+    return tuple((name, layout if run is transform_layout.run else run) for name, run in PIPELINE)
+
+
+# The passes in order (the layout pass unbound: `pipeline(target)` gives the runnable list).
 PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("fold_constants", fold_constants.run),
     ("eliminate_identity", eliminate_identity.run),
@@ -33,13 +46,19 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
 PASS_NAMES = tuple(name for name, _ in PIPELINE)
 
 
-def optimize(graph: Graph, stop_after: str | None = None, check: bool = True) -> Graph:
-    """Run the pipeline (up to and including `stop_after`), verifying after every pass."""
+def optimize(
+    graph: Graph,
+    stop_after: str | None = None,
+    check: bool = True,
+    target: Target | None = None,
+) -> Graph:
+    """Run the pipeline for `target` (default: the host CPU) up to and including
+    `stop_after`, verifying after every pass."""
     if stop_after is not None and stop_after not in PASS_NAMES:
         raise ValueError(f"unknown pass {stop_after!r}; passes: {', '.join(PASS_NAMES)}")
     if check:
         verify(graph, stage="import")
-    for name, run in PIPELINE:
+    for name, run in pipeline(target or host_target()):
         graph = run(graph)
         if check:
             verify(graph, stage=name)
@@ -48,10 +67,10 @@ def optimize(graph: Graph, stop_after: str | None = None, check: bool = True) ->
     return graph
 
 
-def stages(graph: Graph) -> list[tuple[str, Graph]]:
+def stages(graph: Graph, target: Target | None = None) -> list[tuple[str, Graph]]:
     """Every pass's output, in order, for dumping and for tests."""
     result = [("import", graph)]
-    for name, run in PIPELINE:
+    for name, run in pipeline(target or host_target()):
         graph = run(graph)
         result.append((name, graph))
     return result

@@ -22,12 +22,18 @@ from compiler_core.graph.ops.layout import PLAIN, blocked_layout
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
-BLOCKS = (16, 8)  # one zmm register of float32, or one ymm when channels allow no more
+
+
+def block_sizes(lanes: int) -> tuple[int, ...]:
+    """Channel blocks to try, largest first: one vector register of float32, else 8 lanes (a
+    ymm register) when the channels allow no more."""
+    return tuple(sorted({lanes, 8}, reverse=True))
 
 
 class _Rewriter:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, blocks: tuple[int, ...]):
         self.graph = graph
+        self.blocks = blocks
         self.fresh = NameGenerator(graph.names())
         self.types = dict(graph.types)
         self.nodes: list[Node] = []
@@ -89,8 +95,9 @@ class _Rewriter:
     # --- node rewrites -----------------------------------------------------------------------
 
     def visit(self, node: Node) -> None:
-        if _conv_block(self.graph, node):
-            self._blocked_conv(node, _conv_block(self.graph, node))
+        block = _conv_block(self.graph, node, self.blocks)
+        if block:
+            self._blocked_conv(node, block)
         elif self._carried_block(node):
             self._blocked_elementwise(node, self._carried_block(node))
         elif self._pool_block(node):
@@ -144,7 +151,7 @@ class _Rewriter:
         self._produce_blocked(node, inputs, block)
 
 
-def _conv_block(graph: Graph, node: Node) -> int:
+def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
     """The channel block an eligible Conv writes (0: not eligible)."""
     if node.op != "Conv" or node.attr("out_layout", PLAIN) != PLAIN:
         return 0
@@ -154,13 +161,15 @@ def _conv_block(graph: Graph, node: Node) -> int:
     group, out_channels = node.attr("group", 1), w.shape[0]
     if not (group == 1 or group == x.shape[1] == out_channels):
         return 0
-    return next((b for b in BLOCKS if out_channels % b == 0), 0)
+    return next((b for b in blocks if out_channels % b == 0), 0)
 
 
-def run(graph: Graph) -> Graph:
-    if not any(_conv_block(graph, node) for node in graph.nodes):
+def run(graph: Graph, lanes: int = 16) -> Graph:
+    """Block the graph's conv chains for a target with `lanes` float32 lanes per vector."""
+    blocks = block_sizes(lanes)
+    if not any(_conv_block(graph, node, blocks) for node in graph.nodes):
         return graph
-    rewriter = _Rewriter(graph)
+    rewriter = _Rewriter(graph, blocks)
     for node in graph.nodes:
         rewriter.visit(node)
     for value in graph.outputs:

@@ -40,6 +40,7 @@ from compiler_core.schedule.primitives import (
     Unroll,
     Vectorize,
 )
+from compiler_core.target import host_target
 from tests.conftest import FLOAT, make_model
 
 RNG = np.random.default_rng(0)
@@ -87,7 +88,7 @@ def conv(channels: int = 16, size: int = 14, out: int = 32):
 
 def build(workload, schedule=None):
     graph, group, index = workload
-    return build_group(graph, group, index, schedule=schedule).func
+    return build_group(graph, group, index, host_target(), schedule=schedule).func
 
 
 def random_schedules(count: int, seed: int = 0):
@@ -183,9 +184,10 @@ def test_matmul_access_strides():
     # Along the vector lanes: the left operand is broadcast, weights and accumulator are unit.
     assert strides == [0.0, 1.0, 1.0]
     naive = extract(build(matmul(), []))
-    # The innermost (reduction) loop walks the weight's rows: a 32-element stride in its
-    # packed [n/32, k, 32] layout.
-    assert max(access_values(naive, "stride_inner")) == pytest.approx(np.log2(33))
+    # The innermost (reduction) loop walks the weight's rows: a panel-wide stride in its
+    # packed [n/P, k, P] layout (P two vectors: 32 with AVX-512, 16 with AVX2).
+    panel = 2 * host_target().vector_lanes
+    assert max(access_values(naive, "stride_inner")) == pytest.approx(np.log2(panel + 1))
 
 
 # --- hand-built programs -----------------------------------------------------------------------

@@ -221,8 +221,8 @@ def test_default_schedule_keeps_meaning_and_compiles(name, tmp_path):
     graph = optimize(import_model(MODELS[name]()))
     target = host_target()
     for index, group in enumerate(graph.groups):
-        naive = build_group(graph, group, index, schedule=[])
-        scheduled = build_group(graph, group, index)
+        naive = build_group(graph, group, index, target, schedule=[])
+        scheduled = build_group(graph, group, index, target)
         args = random_args(naive.func)
         expected = {k: v.copy() for k, v in args.items()}
         interpreter.run(naive.func, expected)
@@ -252,7 +252,7 @@ def test_default_schedule_keeps_meaning_and_compiles(name, tmp_path):
 def test_anchor_groups_get_their_tiled_schedules():
     graph = optimize(import_model(residual_model()))
     index, group = next((k, g) for k, g in enumerate(graph.groups) if g.anchor)
-    kernel = build_group(graph, group, index)
+    kernel = build_group(graph, group, index, host_target())
     kinds = [type(r).__name__ for r in kernel.schedule]
     assert {"CacheWrite", "Vectorize", "ReverseComputeInline", "Parallel"} <= set(kinds)
     assert TensorProto.FLOAT == FLOAT

@@ -3,6 +3,8 @@ graph computes what it did before (reference executor; blocks checked against nu
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from onnx import helper
@@ -11,6 +13,7 @@ from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.ops.layout import block_of, to_blocked, to_plain
 from compiler_core.passes import transform_layout
 from compiler_core.passes.pipeline import optimize
+from compiler_core.target import host_target
 from tests.conftest import FLOAT, INT64, make_model, shared_model
 from tests.passes.test_passes import assert_same_function, rand
 
@@ -137,15 +140,18 @@ def test_block_helpers_round_trip():
         block_of("NHWC")
 
 
-def test_resnet18_convs_all_blocked():
-    graph = optimize(import_model(shared_model("resnet18")))
+@pytest.mark.parametrize("features, block", [("+avx512f,+avx2,+fma", 16), ("+avx2,+fma", 8)])
+def test_resnet18_convs_all_blocked(features, block):
+    """Blocks of one vector register: 16 channels with AVX-512, 8 with AVX2."""
+    target = dataclasses.replace(host_target(), features=features)
+    graph = optimize(import_model(shared_model("resnet18")), target=target)
     convs = [n for n in graph.nodes if n.op == "Conv"]
-    assert all(n.attr("out_layout") == "NCHW16c" for n in convs)
+    assert all(n.attr("out_layout") == f"NCHW{block}c" for n in convs)
     # The stem reads the 3-channel input plain and the max pool runs blocked: only the head
     # (global pooling, the classifier) needs plain NCHW.
     assert [n.op for n in graph.nodes if n.op == "LayoutTransform"] == ["LayoutTransform"]
     pool = next(n for n in graph.nodes if n.op == "MaxPool")
-    assert pool.attr("data_layout") == "NCHW16c"
+    assert pool.attr("data_layout") == f"NCHW{block}c"
 
 
 def test_pools_run_blocked_unless_indices_are_asked_for():

@@ -1,0 +1,281 @@
+"""Op-family benchmark: single-operator models, Kiln (untuned) against ONNX Runtime in one run.
+
+    .venv/bin/python -m bench.ops [--cases conv1d_k3s2 softmax] [--threads 2] [--list]
+
+Each case is a one-node ONNX model (constant weights, as in a trained model) built here with
+onnx.helper. Both engines run it in alternating blocks with a settle pause before each block
+(`bench.run.interleaved`); the table prints medians, kiln/ORT and the worst ratio. Outputs are
+checked against ORT (rtol 1e-4 of the output's scale) before anything is timed: a fast wrong
+kernel is reported as a failure, not a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+import compiler_core
+from bench.run import cpu_name, interleaved, ort_session, stats
+from compiler_core.runtime import load
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    family: str
+    description: str
+    build: Callable[[], tuple[bytes, dict[str, np.ndarray]]]
+
+
+def _model(op, inputs, weights, output_shape, attrs=None, opset=17, extra_nodes=()):
+    """A one-node model: `inputs` {name: shape} are graph inputs (float32), `weights`
+    {name: array} initializers; the node reads inputs then weights in the order given."""
+    rng = np.random.default_rng(0)
+    names = [*inputs, *weights]
+    node = helper.make_node(op, names, ["y"], **(attrs or {}))
+    graph = helper.make_graph(
+        [node, *extra_nodes],
+        op.lower(),
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, output_shape)],
+        [numpy_helper.from_array(w.astype(np.float32), n) for n, w in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()}
+    return model.SerializeToString(), feeds
+
+
+def _weights(*shape, scale=None):
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+    scale = scale if scale is not None else 1.0 / np.sqrt(fan_in)
+    return np.random.default_rng(1).standard_normal(shape).astype(np.float32) * scale
+
+
+def _out_len(length, kernel, stride=1, pad=0, dilation=1):
+    return (length + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def conv(name, family, c, m, spatial, kernel, stride=1, pad=0, group=1, description=""):
+    """Conv over len(spatial) dims, square kernel/stride/pad."""
+    nd = len(spatial)
+    out = [_out_len(s, kernel, stride, pad) for s in spatial]
+
+    def build():
+        return _model(
+            "Conv",
+            {"x": [1, c, *spatial]},
+            {"w": _weights(m, c // group, *[kernel] * nd), "b": _weights(m, scale=0.1)},
+            [1, m, *out],
+            {
+                "kernel_shape": [kernel] * nd,
+                "strides": [stride] * nd,
+                "pads": [pad] * (2 * nd),
+                "group": group,
+            },
+        )
+
+    return Case(name, family, description, build)
+
+
+def conv_transpose(name, c, m, spatial, kernel, stride, pad=0, description=""):
+    nd = len(spatial)
+    out = [(s - 1) * stride - 2 * pad + kernel for s in spatial]
+
+    def build():
+        return _model(
+            "ConvTranspose",
+            {"x": [1, c, *spatial]},
+            {"w": _weights(c, m, *[kernel] * nd), "b": _weights(m, scale=0.1)},
+            [1, m, *out],
+            {"kernel_shape": [kernel] * nd, "strides": [stride] * nd, "pads": [pad] * (2 * nd)},
+        )
+
+    return Case(name, "conv_transpose", description, build)
+
+
+def matmul(name, a_shape, b_shape, b_constant, description=""):
+    out = [*np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])), a_shape[-2]]
+    out.append(b_shape[-1])
+
+    def build():
+        if b_constant:
+            return _model("MatMul", {"a": a_shape}, {"b": _weights(*b_shape)}, out)
+        return _model("MatMul", {"a": a_shape, "b": b_shape}, {}, out)
+
+    return Case(name, "matmul", description, build)
+
+
+def unary(name, family, op, shape, attrs=None, out_shape=None, opset=17, description=""):
+    def build():
+        return _model(op, {"x": shape}, {}, out_shape or shape, attrs, opset)
+
+    return Case(name, family, description, build)
+
+
+def layer_norm(name, shape, description=""):
+    def build():
+        width = shape[-1]
+        return _model(
+            "LayerNormalization",
+            {"x": shape},
+            {"scale": _weights(width, scale=1.0), "bias": _weights(width, scale=0.1)},
+            shape,
+            {"axis": -1, "epsilon": 1e-5},
+        )
+
+    return Case(name, "row_reduction", description, build)
+
+
+def group_norm(name, shape, groups, description=""):
+    def build():
+        channels = shape[1]
+        return _model(
+            "GroupNormalization",
+            {"x": shape},
+            {"scale": _weights(channels, scale=1.0), "bias": _weights(channels, scale=0.1)},
+            shape,
+            {"num_groups": groups, "epsilon": 1e-5},
+            opset=21,
+        )
+
+    return Case(name, "row_reduction", description, build)
+
+
+def reduce_mean(name, shape, axes, description=""):
+    out = [1 if k in axes else d for k, d in enumerate(shape)]
+
+    def build():
+        return _model("ReduceMean", {"x": shape}, {}, out, {"axes": list(axes)}, opset=17)
+
+    return Case(name, "row_reduction", description, build)
+
+
+def _avgpool_out(shape, kernel, stride, pad):
+    return [*shape[:2], *[_out_len(s, kernel, stride, pad) for s in shape[2:]]]
+
+
+# The table of issue 15 first (same shapes), then the families found on the way.
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in [
+        conv("conv2d_3x3", "conv2d", 64, 64, [56, 56], 3, 1, 1, description="reference path"),
+        conv("conv1d_k3s2", "conv1d", 256, 256, [3199], 3, 2, description="wav2vec2 extractor"),
+        conv(
+            "conv1d_k64g8",
+            "conv1d",
+            256,
+            256,
+            [400],
+            64,
+            1,
+            32,
+            group=8,
+            description="positional conv embedding",
+        ),
+        conv("conv1d_stem", "conv1d", 1, 256, [16000], 10, 5, description="raw-audio stem"),
+        conv_transpose("convT_k2s2", 48, 24, [96, 96], 2, 2, description="U-Net up-step"),
+        conv_transpose("convT_k4s2p1", 128, 64, [32, 32], 4, 2, 1, description="GAN decoder"),
+        conv("conv3d_3x3x3", "conv3d", 32, 32, [8, 28, 28], 3, 1, 1, description="video"),
+        matmul("bmm_qk", [12, 197, 64], [12, 64, 197], False, description="ViT attention scores"),
+        matmul("bmm_pv", [12, 197, 197], [12, 197, 64], False, description="ViT attention P.V"),
+        matmul("matmul_m49", [49, 768], [768, 3072], True, description="Swin MLP, ragged M"),
+        unary(
+            "softmax",
+            "row_reduction",
+            "Softmax",
+            [12, 197, 197],
+            {"axis": -1},
+            opset=13,
+            description="last axis",
+        ),
+        layer_norm("layernorm", [197, 768], description="ViT token rows"),
+        reduce_mean("reducemean_hw", [1, 512, 28, 28], (2, 3), description="over H, W"),
+        unary(
+            "avgpool_3x3s1",
+            "pooling",
+            "AveragePool",
+            [1, 256, 28, 28],
+            {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]},
+            out_shape=_avgpool_out([1, 256, 28, 28], 3, 1, 1),
+            description="plain NCHW",
+        ),
+        conv("conv2d_stem", "conv2d", 3, 32, [224, 224], 3, 2, 1, description="3-channel stem"),
+        # Found on the way: other shapes of the same families.
+        conv("conv2d_c58", "conv2d", 58, 58, [28, 28], 1, description="ShuffleNet 1x1, 58 ch"),
+        group_norm("groupnorm", [1, 512, 49], 32, description="wav2vec2 first layer"),
+        matmul("matmul_m197", [197, 768], [768, 768], True, description="ViT projection"),
+    ]
+}
+
+
+def max_error(ours: np.ndarray, theirs: np.ndarray) -> float:
+    scale = max(float(np.max(np.abs(theirs))), 1e-6)
+    return float(np.max(np.abs(ours.astype(np.float64) - theirs))) / scale
+
+
+def bench_case(case: Case, threads: int) -> dict:
+    data, feeds = case.build()
+    module = load(compiler_core.compile(data), num_threads=threads)
+    session = ort_session(data, threads)
+    ours = module.run(feeds)["y"]
+    (theirs,) = session.run(None, feeds)
+    error = max_error(ours, theirs)
+    result = {"case": case.name, "family": case.family, "max_error": error}
+    if not error <= 1e-4:
+        result["failed"] = f"output differs from ORT: max error {error:.2e} of its scale"
+        return result
+    times = interleaved(lambda: module.run(feeds), lambda: session.run(None, feeds))
+    result["kiln"], result["onnxruntime"] = stats(times["ours"]), stats(times["theirs"])
+    result["ratio_median"] = result["kiln"]["median_ms"] / result["onnxruntime"]["median_ms"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("bench/ops.json"))
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    args = parser.parse_args()
+    if args.list:
+        for case in CASES.values():
+            print(f"{case.name:16s} {case.family:16s} {case.description}")
+        return
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; --list shows them")
+
+    print(f"CPU: {cpu_name()}; {args.threads} threads; untuned")
+    print(f"{'case':16s} {'kiln ms':>9s} {'ORT ms':>9s} {'kiln/ORT':>8s}  description")
+    results = []
+    for name in args.cases:
+        case = CASES[name]
+        r = bench_case(case, args.threads)
+        results.append(r)
+        if "failed" in r:
+            print(f"{name:16s} FAILED: {r['failed']}")
+            continue
+        print(
+            f"{name:16s} {r['kiln']['median_ms']:9.3f} {r['onnxruntime']['median_ms']:9.3f} "
+            f"{r['ratio_median']:8.2f}  {case.description}"
+        )
+    timed = [r for r in results if "ratio_median" in r]
+    if timed:
+        worst = max(timed, key=lambda r: r["ratio_median"])
+        print(f"worst: {worst['case']} {worst['ratio_median']:.2f}")
+    failed = [r["case"] for r in results if "failed" in r]
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"cpu": cpu_name(), "cases": results}, indent=1))
+    print(f"results: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
