@@ -33,16 +33,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from compiler_core.frontend.onnx import KilnImportError, import_model
+from compiler_core.errors import UserError
+from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.ir import Graph
-from compiler_core.graph.ops.base import ShapeError
 from compiler_core.graph.printer import format_graph, format_groups
 from compiler_core.passes.pipeline import PASS_NAMES, optimize
 
 RTOL, ATOL = 1e-4, 1e-5
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     pass
 
 
@@ -363,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (KilnImportError, ShapeError, UsageError, FileNotFoundError, ValueError) as err:
+    # Only the user's mistakes become a message; a compiler bug keeps its traceback.
+    except (UserError, FileNotFoundError) as err:
         print(f"kiln {args.command}: error: {err}", file=sys.stderr)
         return 2
 

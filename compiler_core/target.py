@@ -7,8 +7,10 @@ import hashlib
 import os
 import shlex
 
+from compiler_core.errors import UserError
 
-class TargetError(ValueError):
+
+class TargetError(UserError):
     pass
 
 

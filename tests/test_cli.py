@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from compiler_core import cli
+from compiler_core.schedule.primitives import ScheduleError
 from tests.conftest import shared_model
 
 
@@ -92,3 +96,24 @@ def test_run_refuses_a_wrong_input_shape(tmp_path):
     result = kiln("run", str(archive), "--input", f"x={x}")
     assert result.returncode == 2
     assert "expects float32[1, 784]" in result.stderr
+
+
+def test_bad_target_is_a_usage_error(tmp_path):
+    output = str(tmp_path / "mlp.kiln")
+    result = kiln(
+        "compile", str(shared_model("mlp")), "--shape", "x=1,784", "--target", "gpu", "-o", output
+    )
+    assert result.returncode == 2
+    assert "unsupported target 'gpu'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_compiler_bug_is_not_reported_as_a_usage_error(monkeypatch):
+    """Compiler errors subclass ValueError but are not the user's: they must keep their
+    traceback instead of printing as a usage error with exit code 2."""
+
+    def broken(*args, **kwargs):
+        raise ScheduleError("Split('conv_i3', 0): the factor must be positive")
+
+    monkeypatch.setattr(cli, "optimize", broken)
+    with pytest.raises(ScheduleError, match="factor must be positive"):
+        cli.main(["inspect", str(shared_model("mlp")), "--shape", "x=1,784"])

@@ -17,7 +17,12 @@ def loaded_after(statement: str) -> set[str]:
 
 # The console shows the shared tuning log, so the api reads it with the log's own reader: a
 # stdlib-only module of the compiler, whose packages import nothing themselves.
-TUNING_LOG_READER = {"compiler_core", "compiler_core.autotune", "compiler_core.autotune.records"}
+TUNING_LOG_READER = {
+    "compiler_core",
+    "compiler_core.autotune",
+    "compiler_core.autotune.records",
+    "compiler_core.errors",
+}
 
 
 def test_the_api_does_not_import_the_compiler():
@@ -36,3 +41,12 @@ def test_the_client_needs_only_httpx_and_numpy():
     modules = loaded_after("import api.client")
     heavy = ("fastapi", "starlette", "celery", "compiler_core", "tuner_workers", "llvmlite")
     assert not {m for m in modules if m.split(".")[0] in heavy}
+
+
+def test_the_runtime_imports_no_other_part_of_the_compiler():
+    """A runtime server loads modules without LLVM or LightGBM (DESIGN §2); the one shared
+    module is the import-free error base class."""
+    modules = loaded_after("import compiler_core.runtime")
+    compiler = {m for m in modules if m.split(".")[0] in ("compiler_core", "llvmlite", "lightgbm")}
+    allowed = {"compiler_core", "compiler_core.errors"}
+    assert {m for m in compiler if not m.startswith("compiler_core.runtime")} <= allowed

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from compiler_core.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ERROR_CODES = ("ok", "invalid_config", "build_error", "run_error", "timeout", "wrong_answer")
@@ -52,7 +54,7 @@ STRING_FIELDS = (
 NUMBER_FIELDS = ("flops", "timestamp")
 
 
-class RecordError(ValueError):
+class RecordError(UserError):
     """A tuning record that cannot be built or read; the message names the problem."""
 
 

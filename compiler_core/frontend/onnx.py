@@ -18,6 +18,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
+from compiler_core.errors import UserError
 from compiler_core.graph.ir import DTYPES, Graph, NameGenerator, Node, TensorType
 from compiler_core.graph.ops import OP_TABLE
 from compiler_core.graph.ops.base import ShapeError
@@ -51,7 +52,7 @@ ONNX_TO_NUMPY = {
 NUMPY_TO_ONNX = {v: k for k, v in ONNX_TO_NUMPY.items()}
 
 
-class KilnImportError(ValueError):
+class KilnImportError(UserError):
     """Base of every error the frontend raises; the message says what to fix."""
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from compiler_core.errors import UserError
 from compiler_core.runtime.library import KernelLibrary, set_num_threads
 
 MEMBERS = ("model.so", "weights.bin", "plan.json")
@@ -29,11 +30,11 @@ ENTRY = "kiln_main"
 ALIGNMENT = 64
 
 
-class ArchiveError(ValueError):
+class ArchiveError(UserError):
     """A module archive that is truncated, tampered with or not an archive at all."""
 
 
-class InputError(ValueError):
+class InputError(UserError):
     """Inference inputs that do not match the module's signature."""
 
 

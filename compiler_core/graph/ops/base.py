@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from compiler_core.errors import UserError
 from compiler_core.graph.ir import Node, OpKind, TensorType
 
 # A type rule maps the node and its input types (None for an omitted optional input)
@@ -15,7 +16,7 @@ TypeRule = Callable[[Node, Sequence[TensorType | None]], Sequence[TensorType]]
 Compute = Callable[[Node, Sequence[np.ndarray | None]], Sequence[np.ndarray]]
 
 
-class ShapeError(ValueError):
+class ShapeError(UserError):
     """A node whose inputs or attributes make no valid output type."""
 
 
