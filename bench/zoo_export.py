@@ -209,6 +209,8 @@ def export(name: str, out: Path, small: bool) -> Path:
 
 
 def main() -> None:
+    # nn.MultiheadAttention's inference fast path is a fused op the ONNX exporter cannot write.
+    torch.backends.mha.set_fastpath_enabled(False)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("build/zoo"))
     parser.add_argument("--models", nargs="*", default=list(ZOO))
