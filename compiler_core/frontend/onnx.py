@@ -459,6 +459,7 @@ def import_model(
                 f"node {node.name!r}: operator {node.domain}.{node.op_type} is outside the "
                 "default ONNX domain; not supported"
             )
+        _check_type_constraints(ctx, node)
         convert_node(ctx, node)
     ctx.current = None
 
@@ -474,6 +475,34 @@ def import_model(
         types=ctx.types,
         constants=ctx.constants,
     ).pruned()
+
+
+def _check_type_constraints(ctx: ImportContext, node: onnx.NodeProto) -> None:
+    """Inputs that the operator's schema ties to one type variable (Conv's X, W and B are all
+    `T`) must have one element type: a float64 weight on a float32 input is a malformed model,
+    and would otherwise surface as a codegen failure deep in the build."""
+    if not onnx.defs.has(node.op_type, ctx.opset, ""):
+        return  # the converter names the unsupported operator
+    schema = onnx.defs.get_schema(node.op_type, ctx.opset, "")
+    formals = schema.inputs
+    seen: dict[str, tuple[str, str]] = {}  # type variable -> (first input, its dtype)
+    for k, value in enumerate(node.input):
+        if not value or value not in ctx.types or not formals:
+            continue
+        formal = formals[min(k, len(formals) - 1)]
+        variadic = formal.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
+        if variadic and not formal.is_homogeneous:
+            continue  # each input of a heterogeneous list (Loop's carried values) has its own
+        variable = formal.type_str
+        if variable not in {c.type_param_str for c in schema.type_constraints}:
+            continue  # a fixed type (tensor(int64), say): the converter checks it
+        dtype = ctx.types[value].dtype
+        first, first_dtype = seen.setdefault(variable, (value, dtype))
+        if dtype != first_dtype:
+            raise ModelFormatError(
+                f"node {node.name!r} ({node.op_type}): inputs {first!r} ({first_dtype}) and "
+                f"{value!r} ({dtype}) must have the same element type {variable}"
+            )
 
 
 def _input_type_dtype(value: onnx.ValueInfoProto) -> str:

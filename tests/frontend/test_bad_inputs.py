@@ -205,3 +205,16 @@ def test_failed_import_leaves_the_source_file_untouched(tmp_path):
         import_model(path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["model.onnx"]
+
+
+def test_operands_of_one_type_variable_must_share_their_element_type():
+    """Conv's X and W are both `T`: a float64 weight on a float32 input is rejected at import,
+    naming the node and both operands, not left to fail in codegen."""
+    model = make_model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="stem")],
+        [("x", FLOAT, [1, 3, 8, 8])],
+        [("y", FLOAT, [1, 4, 6, 6])],
+        {"w": np.ones((4, 3, 3, 3), np.float64)},
+    )
+    with pytest.raises(ModelFormatError, match=r"'stem' \(Conv\).*'x' \(float32\).*'w'"):
+        import_model(model)
