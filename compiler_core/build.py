@@ -127,14 +127,20 @@ def lower_group(graph: Graph, group, index: int, target: Target) -> LoweredGroup
     return LoweredGroup(name, func, inputs, outputs, ctx.packed_arrays, stages, target)
 
 
-def build_group(graph: Graph, group, index: int, target: Target, schedule=None) -> GroupKernel:
+def build_group(
+    graph: Graph, group, index: int, target: Target, schedule=None, prefix: str = ""
+) -> GroupKernel:
+    """The group's kernel; `prefix` keeps its symbol apart from other plans' in one library
+    (a batch bucket's kernels, say)."""
     lowered = lower_group(graph, group, index, target)
     if schedule is None:
         schedule = default_schedule(lowered.stages, target)
     records = list(schedule)
     func = apply(lowered.func, records)
+    if prefix:
+        func = dataclasses.replace(func, name=prefix + func.name)
     return GroupKernel(
-        lowered.name,
+        prefix + lowered.name,
         func,
         lowered.inputs,
         lowered.outputs,
@@ -200,7 +206,8 @@ class WeightsLayout:
     blob: bytes
 
 
-def layout_weights(graph: Graph, kernels: Sequence[GroupKernel]) -> WeightsLayout:
+def weight_arrays(graph: Graph, kernels: Sequence[GroupKernel]) -> dict[str, np.ndarray]:
+    """Every constant the plan reads, in its final (packed) layout, by name."""
     arrays: dict[str, np.ndarray] = {}
     for kernel in kernels:
         for name in kernel.inputs:
@@ -211,13 +218,35 @@ def layout_weights(graph: Graph, kernels: Sequence[GroupKernel]) -> WeightsLayou
     for name in graph.outputs:
         if name in graph.constants:
             arrays[name] = np.ascontiguousarray(graph.constants[name])
-    offsets, chunks, cursor = {}, [], 0
-    for name, array in arrays.items():
-        offsets[name] = cursor
+    return arrays
+
+
+class WeightsBlob:
+    """Weights laid out one after another, each aligned; equal contents are stored once (the
+    plans of several batch buckets read the same packed weights)."""
+
+    def __init__(self):
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self._offsets: dict[str, int] = {}  # sha256 of the bytes -> offset
+
+    def add(self, array: np.ndarray) -> int:
         data = array.tobytes()
-        chunks.append(data + b"\0" * (_aligned(len(data)) - len(data)))
-        cursor += _aligned(len(data))
-    return WeightsLayout(offsets, b"".join(chunks))
+        digest = hashlib.sha256(data).hexdigest()
+        if digest not in self._offsets:
+            self._offsets[digest] = self.size
+            self.chunks.append(data + b"\0" * (_aligned(len(data)) - len(data)))
+            self.size += _aligned(len(data))
+        return self._offsets[digest]
+
+    def layout(self, arrays: dict[str, np.ndarray]) -> WeightsLayout:
+        """Add `arrays`; their offsets, with the blob as it stands."""
+        offsets = {name: self.add(array) for name, array in arrays.items()}
+        return WeightsLayout(offsets, b"".join(self.chunks))
+
+
+def layout_weights(graph: Graph, kernels: Sequence[GroupKernel]) -> WeightsLayout:
+    return WeightsBlob().layout(weight_arrays(graph, kernels))
 
 
 def _declare_kernel(module: ir.Module, kernel: GroupKernel) -> ir.Function:
@@ -232,10 +261,11 @@ def emit_entry(
     kernels: Sequence[GroupKernel],
     memory: MemoryPlan,
     weights: WeightsLayout,
+    name: str = ENTRY,
 ) -> None:
     """void kiln_main(ptr inputs[], ptr outputs[], ptr workspace, ptr weights)."""
     ptr, i64 = codegen.PTR, codegen.I64
-    entry = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr] * 4), name=ENTRY)
+    entry = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr] * 4), name=name)
     inputs, outputs, workspace, blob = entry.args
     b = ir.IRBuilder(entry.append_basic_block("entry"))
 
@@ -254,7 +284,7 @@ def emit_entry(
     for kernel in kernels:
         fn = module.globals.get(kernel.symbol) or _declare_kernel(module, kernel)
         b.call(fn, [pointer(value) for value in kernel.inputs + kernel.outputs])
-    memcpy = ir.Function(
+    memcpy = module.globals.get("llvm.memcpy.p0.p0.i64") or ir.Function(
         module,
         ir.FunctionType(ir.VoidType(), [ptr, ptr, i64, ir.IntType(1)]),
         name="llvm.memcpy.p0.p0.i64",
@@ -298,12 +328,20 @@ def dedupe(kernels: Sequence[GroupKernel]) -> list[PrimFunc]:
     return funcs
 
 
-def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None = None):
-    started = time.perf_counter()
+def build_kernels(
+    graph: Graph, target: Target, schedules: dict[str, list] | None = None, prefix: str = ""
+) -> list[GroupKernel]:
+    """One kernel per fused group, with the schedule `schedules` gives it or the default."""
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)
-        kernels.append(build_group(graph, group, index, target, override))
+        kernels.append(build_group(graph, group, index, target, override, prefix))
+    return kernels
+
+
+def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None = None):
+    started = time.perf_counter()
+    kernels = build_kernels(graph, target, schedules)
     memory = plan_memory(graph, kernels)
     weights = layout_weights(graph, kernels)
     distinct = dedupe(kernels)  # first: the entry calls each kernel's shared function

@@ -46,18 +46,36 @@ class UsageError(UserError):
     pass
 
 
-def parse_shapes(items: Sequence[str] | None) -> dict[str, list[int]]:
-    """`name=1,3,224,224` entries -> {name: [1, 3, 224, 224]}."""
+BATCH_PLACEHOLDER = "N"
+
+
+def parse_shapes(items: Sequence[str] | None, batched: bool = False) -> dict[str, list[int]]:
+    """`name=1,3,224,224` entries -> {name: [1, 3, 224, 224]}. With `batched` (batch buckets),
+    axis 0 may be the placeholder N (`x=N,3,224,224`); the buckets decide it."""
     shapes = {}
     for item in items or ():
         name, sep, dims = item.partition("=")
+        words = [d.strip() for d in dims.split(",") if d.strip()]
+        if batched and words and words[0] == BATCH_PLACEHOLDER:
+            words[0] = "0"
+        elif words and words[0] == BATCH_PLACEHOLDER:
+            raise UsageError(f"--shape {item!r}: the batch N takes --batch-buckets (e.g. 1,2,4,8)")
         try:
             if not sep or not name:
                 raise ValueError
-            shapes[name] = [int(d) for d in dims.split(",") if d.strip()]
+            shapes[name] = [int(d) for d in words]
         except ValueError:
             raise UsageError(f"--shape {item!r}: expected NAME=D0,D1,... (e.g. x=1,784)") from None
     return shapes
+
+
+def parse_buckets(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(word) for word in text.split(",") if word.strip()]
+    except ValueError:
+        raise UsageError(f"--batch-buckets {text!r}: expected sizes such as 1,2,4,8,16") from None
 
 
 def random_inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
@@ -145,8 +163,13 @@ def cmd_compile(args) -> int:
     from compiler_core.compiler import compile as compile_model
 
     started = time.perf_counter()
+    buckets = parse_buckets(args.batch_buckets)
     archive = compile_model(
-        args.model, target=args.target, shapes=parse_shapes(args.shape), tuning=args.tuning
+        args.model,
+        target=args.target,
+        shapes=parse_shapes(args.shape, batched=buckets is not None),
+        tuning=args.tuning,
+        batch_buckets=buckets,
     )
     path = archive.save(args.output)
     manifest = archive.manifest
@@ -155,10 +178,13 @@ def cmd_compile(args) -> int:
         f"compiled {args.model} for {manifest['target']} in "
         f"{time.perf_counter() - started:.1f}s -> {path}"
     )
+    reuse = f" (without reuse {memory['naive_bytes']})" if "naive_bytes" in memory else ""
     print(
         f"  kernels: {len(manifest['kernels'])} ({manifest['distinct_kernels']} distinct); "
-        f"workspace {memory['workspace_bytes']} bytes (without reuse {memory['naive_bytes']})"
+        f"workspace {memory['workspace_bytes']} bytes{reuse}"
     )
+    if buckets:
+        print(f"  batch buckets: {manifest['batch_buckets']} (any batch up to the largest)")
     tuned = sum(1 for k in manifest["kernels"].values() if isinstance(k, dict))
     if args.tuning:
         print(f"  tuned kernels: {tuned} of {len(manifest['kernels'])} (log {args.tuning})")
@@ -310,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--shape", action="append", help="bind an input shape: NAME=D0,D1,...")
     compile_.add_argument("-o", "--output", required=True, help="archive path (.kiln)")
     compile_.add_argument("--tuning", help="a tuning log (JSONL path or redis:// URL)")
+    compile_.add_argument(
+        "--batch-buckets",
+        help="one plan per batch size, e.g. 1,2,4,8,16: the archive runs any batch up to the "
+        "largest (with --shape x=N,3,224,224)",
+    )
     compile_.set_defaults(run=cmd_compile)
 
     tune = sub.add_parser("tune", help="tune the schedules of a model's heavy operators")

@@ -13,9 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
+from compiler_core.batching import (
+    BucketedModel,
+    bucket_shapes,
+    build_buckets,
+    check_buckets,
+    with_symbolic_batch,
+)
 from compiler_core.build import CompiledModel, build_graph, describe_types
 from compiler_core.codegen.native import link_shared
-from compiler_core.frontend.onnx import import_model
+from compiler_core.frontend.onnx import import_model, load_model
 from compiler_core.graph.ir import Graph
 from compiler_core.passes.pipeline import optimize
 from compiler_core.reference import run_graph
@@ -97,48 +104,107 @@ def _verification(archive: ModuleArchive, graph: Graph) -> dict:
     }
 
 
-def _members(
-    compiled: CompiledModel, library: bytes, model_sha: str, tuned: dict[str, dict]
-) -> dict[str, bytes]:
-    graph = compiled.graph
-    plan = {
+def _plan_of(graph: Graph, kernels, memory, weight_offsets) -> dict:
+    return {
         "inputs": describe_types(graph, graph.inputs),
         "outputs": describe_types(graph, graph.outputs),
-        "workspace_bytes": compiled.memory.workspace_bytes,
+        "workspace_bytes": memory.workspace_bytes,
         "kernels": [
             {"name": k.name, "symbol": k.symbol, "inputs": k.inputs, "outputs": k.outputs}
-            for k in compiled.kernels
+            for k in kernels
         ],
-        "workspace_offsets": compiled.memory.offsets,
-        "weight_offsets": compiled.weights.offsets,
+        "workspace_offsets": memory.offsets,
+        "weight_offsets": weight_offsets,
     }
+
+
+def _kernel_notes(graph: Graph, kernels, tuned: dict[str, dict]) -> dict:
+    return {
+        kernel.name: tuned.get(group.name, "default schedule")
+        for kernel, group in zip(kernels, graph.groups, strict=True)
+    }
+
+
+def _archive_members(
+    plan: dict, library: bytes, weights: bytes, target: Target, **manifest_fields
+) -> dict[str, bytes]:
     members = {
         "model.so": library,
-        "weights.bin": compiled.weights.blob,
+        "weights.bin": weights,
         "plan.json": json.dumps(plan, indent=1).encode(),
     }
     manifest = {
         "format": "kiln-module/1",
-        "model_sha256": model_sha,
-        "graph_key": graph.key,
+        **manifest_fields,
         "inputs": plan["inputs"],
         "outputs": plan["outputs"],
-        "target": str(compiled.target),
-        "target_fingerprint": compiled.target.fingerprint,
+        "target": str(target),
+        "target_fingerprint": target.fingerprint,
         "compiler_version": COMPILER_VERSION,
-        "kernels": {
-            kernel.name: tuned.get(group.name, "default schedule")
-            for kernel, group in zip(compiled.kernels, graph.groups, strict=True)
-        },
-        "distinct_kernels": len({k.symbol for k in compiled.kernels}),
-        "memory": {
+    }
+    manifest["members"] = {name: sha256(data) for name, data in members.items()}
+    members["manifest.json"] = json.dumps(manifest, indent=1).encode()
+    return members
+
+
+def _members(
+    compiled: CompiledModel, library: bytes, model_sha: str, tuned: dict[str, dict]
+) -> dict[str, bytes]:
+    graph = compiled.graph
+    plan = _plan_of(graph, compiled.kernels, compiled.memory, compiled.weights.offsets)
+    return _archive_members(
+        plan,
+        library,
+        compiled.weights.blob,
+        compiled.target,
+        model_sha256=model_sha,
+        graph_key=graph.key,
+        kernels=_kernel_notes(graph, compiled.kernels, tuned),
+        distinct_kernels=len({k.symbol for k in compiled.kernels}),
+        memory={
             "workspace_bytes": compiled.memory.workspace_bytes,
             "naive_bytes": compiled.memory.naive_bytes,
         },
-        "members": {name: sha256(data) for name, data in members.items()},
+    )
+
+
+def _bucket_members(
+    built: BucketedModel, library: bytes, model_sha: str, tuned: dict[int, dict]
+) -> dict[str, bytes]:
+    """One plan per bucket; the top-level signature is the largest bucket's (axis 0 of every
+    input and output is the batch, any size up to it)."""
+    buckets = [
+        {
+            "batch": p.batch,
+            "entry": p.entry,
+            **_plan_of(p.graph, p.kernels, p.memory, p.weight_offsets),
+        }
+        for p in built.plans
+    ]
+    largest = buckets[-1]
+    plan = {
+        "inputs": largest["inputs"],
+        "outputs": largest["outputs"],
+        "workspace_bytes": max(b["workspace_bytes"] for b in buckets),
+        "batch_buckets": [b["batch"] for b in buckets],
+        "buckets": buckets,
     }
-    members["manifest.json"] = json.dumps(manifest, indent=1).encode()
-    return members
+    kernels = [k for p in built.plans for k in p.kernels]
+    notes = {}
+    for p in built.plans:
+        notes.update(_kernel_notes(p.graph, p.kernels, tuned.get(p.batch, {})))
+    return _archive_members(
+        plan,
+        library,
+        built.weights,
+        built.target,
+        model_sha256=model_sha,
+        graph_key=built.plans[-1].graph.key,
+        batch_buckets=plan["batch_buckets"],
+        kernels=notes,
+        distinct_kernels=len({k.symbol for k in kernels}),
+        memory={"workspace_bytes": plan["workspace_bytes"]},
+    )
 
 
 def _model_bytes(model) -> bytes:
@@ -190,9 +256,54 @@ def compile(  # noqa: A001 - the documented entry point's name
     target: str | Target = "llvm",
     shapes: Mapping[str, Sequence[int]] | None = None,
     tuning=None,
+    batch_buckets: Sequence[int] | None = None,
 ) -> ModuleArchive:
     """Compile an ONNX model (path, bytes or ModelProto) to a native module archive, with the
-    best schedules of the tuning log `tuning` (a path, a `redis://` URL or a TuningLog)."""
+    best schedules of the tuning log `tuning` (a path, a `redis://` URL or a TuningLog).
+
+    With `batch_buckets` (e.g. [1, 2, 4, 8, 16]) the archive holds one plan per batch size
+    and runs any batch up to the largest (`compiler_core.batching`)."""
     target = parse_target(target) if isinstance(target, str) else target
+    if batch_buckets is not None:
+        return compile_buckets(model, target, shapes, batch_buckets, tuning)
     graph = optimize(import_model(model, shapes=shapes), target=target)
     return compile_graph(graph, target, sha256(_model_bytes(model)), tuning=tuning)
+
+
+def compile_buckets(
+    model,
+    target: Target,
+    shapes: Mapping[str, Sequence[int]] | None,
+    batch_buckets: Sequence[int],
+    tuning=None,
+) -> ModuleArchive:
+    """One archive, one plan per batch bucket; every bucket is verified against the
+    reference executor at its own batch."""
+    started = time.perf_counter()
+    buckets = check_buckets(batch_buckets)
+    proto = with_symbolic_batch(load_model(model))
+    graphs = {
+        batch: optimize(
+            import_model(proto, shapes=bucket_shapes(proto, shapes, batch)), target=target
+        )
+        for batch in buckets
+    }
+    schedules, tuned = {}, {}
+    if tuning is not None:
+        from compiler_core.autotune.apply import tuned_schedules
+
+        for batch, graph in graphs.items():
+            schedules[batch], tuned[batch] = tuned_schedules(graph, target, tuning)
+    built = build_buckets(graphs, target, schedules)
+    with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
+        library = link_shared(built.objects, Path(tmp) / "model.so").read_bytes()
+    seconds = time.perf_counter() - started
+    members = _bucket_members(built, library, sha256(_model_bytes(model)), tuned)
+    archive = ModuleArchive(members, seconds)
+    checks = [_verification(archive, graph) for graph in graphs.values()]
+    verification = {
+        **max(checks, key=lambda c: c["max_abs_error"]),
+        "passed": all(c["passed"] for c in checks),
+        "batches": list(buckets),
+    }
+    return _with_manifest(archive, verification=verification)

@@ -41,12 +41,3 @@ def test_the_client_needs_only_httpx_and_numpy():
     modules = loaded_after("import api.client")
     heavy = ("fastapi", "starlette", "celery", "compiler_core", "tuner_workers", "llvmlite")
     assert not {m for m in modules if m.split(".")[0] in heavy}
-
-
-def test_the_runtime_imports_no_other_part_of_the_compiler():
-    """A runtime server loads modules without LLVM or LightGBM (DESIGN §2); the one shared
-    module is the import-free error base class."""
-    modules = loaded_after("import compiler_core.runtime")
-    compiler = {m for m in modules if m.split(".")[0] in ("compiler_core", "llvmlite", "lightgbm")}
-    allowed = {"compiler_core", "compiler_core.errors"}
-    assert {m for m in compiler if not m.startswith("compiler_core.runtime")} <= allowed

@@ -10,6 +10,7 @@ in their final, packed layouts), `plan.json` (input/output signatures, workspace
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import io
 import json
@@ -68,26 +69,65 @@ def _aligned_buffer(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
     return owner, owner[start : start + nbytes]
 
 
+Signature = list[tuple[str, tuple[int, ...], np.dtype]]
+
+
+def _signature(values: list[dict]) -> Signature:
+    return [(v["name"], tuple(v["shape"]), np.dtype(v["dtype"])) for v in values]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One compiled plan: its entry, signature and buffers. A bucketed archive has one per
+    batch bucket (`batch`); a plain archive has one, for its fixed shapes (`batch` None)."""
+
+    batch: int | None
+    entry: object
+    inputs: Signature
+    outputs: Signature
+    kernels: list[dict]
+    workspace_offsets: dict[str, int]
+    weight_offsets: dict[str, int]
+
+    @classmethod
+    def of(cls, plan: dict, entry, batch: int | None) -> _Plan:
+        return cls(
+            batch,
+            entry,
+            _signature(plan["inputs"]),
+            _signature(plan["outputs"]),
+            plan["kernels"],
+            plan["workspace_offsets"],
+            plan["weight_offsets"],
+        )
+
+
 class Module:
     def __init__(self, members: dict[str, bytes], num_threads: int | None = None):
         self.manifest = json.loads(members["manifest.json"])
         plan = json.loads(members["plan.json"])
-        self.inputs = [(v["name"], tuple(v["shape"]), np.dtype(v["dtype"])) for v in plan["inputs"]]
-        self.outputs = [
-            (v["name"], tuple(v["shape"]), np.dtype(v["dtype"])) for v in plan["outputs"]
-        ]
+        # The signature: for a bucketed archive, the largest bucket's (axis 0 of every input and
+        # output takes any batch up to it).
+        self.inputs = _signature(plan["inputs"])
+        self.outputs = _signature(plan["outputs"])
+        self.batch_buckets: list[int] | None = plan.get("batch_buckets")
         self._dir = tempfile.TemporaryDirectory(prefix="kiln-module-")
         library = Path(self._dir.name) / "model.so"
         library.write_bytes(members["model.so"])
         self._library = KernelLibrary(library)
-        self._entry = self._library.function(ENTRY)
+        if self.batch_buckets:
+            self._plans = [
+                _Plan.of(b, self._library.function(b["entry"]), b["batch"]) for b in plan["buckets"]
+            ]
+        else:
+            self._plans = [_Plan.of(plan, self._library.function(ENTRY), None)]
         self._weights_owner, self._weights = _aligned_buffer(len(members["weights.bin"]))
         self._weights[:] = np.frombuffer(members["weights.bin"], np.uint8)
+        # Plans run one at a time on a module: the largest workspace serves them all.
         self._workspace_owner, self._workspace = _aligned_buffer(plan["workspace_bytes"])
-        self._plan = plan
         set_num_threads(num_threads or int(os.environ.get("KILN_NUM_THREADS", os.cpu_count())))
 
-    def _checked(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def _check_names(self, inputs: Mapping[str, np.ndarray]) -> None:
         expected = [name for name, _, _ in self.inputs]
         unknown = sorted(set(inputs) - set(expected))
         missing = [name for name in expected if name not in inputs]
@@ -96,30 +136,71 @@ class Module:
                 f"inputs do not match the module: missing {missing}, unknown {unknown}; "
                 f"expected {expected}"
             )
+
+    def _checked(self, inputs: Mapping[str, np.ndarray]) -> tuple[_Plan, list[np.ndarray], int]:
+        """(the plan to run, its input arrays, the request's batch)."""
+        self._check_names(inputs)
+        if not self.batch_buckets:
+            arrays = []
+            for name, shape, dtype in self.inputs:
+                array = np.asarray(inputs[name])
+                if array.shape != shape or array.dtype != dtype:
+                    raise InputError(
+                        f"input {name!r} is {array.dtype}{list(array.shape)}, "
+                        f"the module expects {dtype}{list(shape)}"
+                    )
+                arrays.append(np.ascontiguousarray(array))
+            return self._plans[0], arrays, 0
+        batch = self._batch_of(inputs)
+        plan = next(p for p in self._plans if p.batch >= batch)
         arrays = []
+        for name, shape, dtype in plan.inputs:
+            array = np.asarray(inputs[name])
+            if batch == plan.batch:
+                arrays.append(np.ascontiguousarray(array))
+            else:  # the bucket's rows past the request's batch are zeros, cut from the outputs
+                padded = np.zeros(shape, dtype)
+                padded[:batch] = array
+                arrays.append(padded)
+        return plan, arrays, batch
+
+    def _batch_of(self, inputs: Mapping[str, np.ndarray]) -> int:
+        largest = self.batch_buckets[-1]
+        batches = set()
         for name, shape, dtype in self.inputs:
             array = np.asarray(inputs[name])
-            if array.shape != shape or array.dtype != dtype:
+            if array.dtype != dtype or array.ndim != len(shape) or array.shape[1:] != shape[1:]:
+                expected = ["N", *shape[1:]]
                 raise InputError(
-                    f"input {name!r} is {array.dtype}{list(array.shape)}, "
-                    f"the module expects {dtype}{list(shape)}"
+                    f"input {name!r} is {array.dtype}{list(array.shape)}, the module expects "
+                    f"{dtype}{expected} with a batch N of 1 to {largest}"
                 )
-            arrays.append(np.ascontiguousarray(array))
-        return arrays
+            batches.add(array.shape[0])
+        if len(batches) != 1:
+            raise InputError(f"inputs disagree on the batch (axis 0): {sorted(batches)}")
+        (batch,) = batches
+        if not 1 <= batch <= largest:
+            raise InputError(
+                f"batch {batch} is outside the module's buckets {self.batch_buckets} "
+                f"(the largest is {largest})"
+            )
+        return batch
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = self._checked(inputs)
-        outputs = {name: np.empty(shape, dtype) for name, shape, dtype in self.outputs}
+        plan, arrays, batch = self._checked(inputs)
+        outputs = {name: np.empty(shape, dtype) for name, shape, dtype in plan.outputs}
         input_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         output_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(
             *[a.ctypes.data for a in outputs.values()]
         )
-        self._entry(
+        plan.entry(
             input_ptrs,
             output_ptrs,
             ctypes.c_void_p(self._workspace.ctypes.data),
             ctypes.c_void_p(self._weights.ctypes.data),
         )
+        if plan.batch is not None and batch != plan.batch:
+            return {name: array[:batch] for name, array in outputs.items()}
         return outputs
 
     def profile(
@@ -130,19 +211,19 @@ class Module:
         Kernels are called one by one over the same workspace the entry function uses, so
         each sees the data it would see inside a whole-model run (a debug executor).
         """
-        arrays = dict(zip([name for name, _, _ in self.inputs], self._checked(inputs), strict=True))
-        outputs = {name: np.empty(shape, dtype) for name, shape, dtype in self.outputs}
-        plan = self._plan
+        plan, checked, _ = self._checked(inputs)
+        arrays = dict(zip([name for name, _, _ in plan.inputs], checked, strict=True))
+        outputs = {name: np.empty(shape, dtype) for name, shape, dtype in plan.outputs}
 
         def pointer(value: str) -> ctypes.c_void_p:
             if value in arrays:
                 return ctypes.c_void_p(arrays[value].ctypes.data)
             if value in outputs:
                 return ctypes.c_void_p(outputs[value].ctypes.data)
-            if value in plan["weight_offsets"]:
-                base, offset = self._weights, plan["weight_offsets"][value]
+            if value in plan.weight_offsets:
+                base, offset = self._weights, plan.weight_offsets[value]
             else:
-                base, offset = self._workspace, plan["workspace_offsets"][value]
+                base, offset = self._workspace, plan.workspace_offsets[value]
             return ctypes.c_void_p(base.ctypes.data + offset)
 
         calls = [
@@ -151,7 +232,7 @@ class Module:
                 self._library.function(k["symbol"]),
                 [pointer(v) for v in k["inputs"] + k["outputs"]],
             )
-            for k in plan["kernels"]
+            for k in plan.kernels
         ]
         samples: dict[str, list[float]] = {name: [] for name, _, _ in calls}
         for _ in range(repeats):
