@@ -105,11 +105,19 @@ def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
     q0, r0 = divmod(constant, divisor)
     low = r0 + sum(min(0, c * (ranges[v] - 1)) for v, c in rest.items())
     high = r0 + sum(max(0, c * (ranges[v] - 1)) for v, c in rest.items())
-    if low < 0 or high >= divisor:
+    if low >= 0 and high < divisor:
+        if e.op == "floordiv":
+            return canonical({v: c for v, c in quotient.items() if c}, q0)
+        return canonical(rest, r0)
+    if not quotient and q0 == 0:
         return None
-    if e.op == "floordiv":
-        return canonical({v: c for v, c in quotient.items() if c}, q0)
-    return canonical(rest, r0)
+    # Floor division and modulo ignore whole multiples of the divisor whatever the sign:
+    # (d*A + B) // d = A + B // d and (d*A + B) % d = B % d. Dropping them leaves the small
+    # remainder expression (the lane part of a fused or reshaped index), not the whole index.
+    remainder = Binary(e.op, canonical(rest, r0), e.b)
+    if e.op == "mod":
+        return remainder
+    return Binary("add", canonical({v: c for v, c in quotient.items() if c}, q0), remainder)
 
 
 def simplify_expr(e: Expr, ranges: Mapping[str, int] | None = None) -> Expr:

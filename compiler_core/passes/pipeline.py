@@ -17,6 +17,7 @@ from compiler_core.passes import (
     eliminate_identity,
     fold_constants,
     fuse_operators,
+    lower_conv_transpose,
     simplify_inference,
     transform_layout,
 )
@@ -35,6 +36,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("fold_constants", fold_constants.run),
     ("eliminate_identity", eliminate_identity.run),
     ("simplify_inference", simplify_inference.run),
+    ("lower_conv_transpose", lower_conv_transpose.run),
     ("fold_constants_again", fold_constants.run),
     ("eliminate_common_subexpressions", eliminate_common_subexpressions.run),
     ("eliminate_identity_again", eliminate_identity.run),
