@@ -210,6 +210,30 @@ CASES: dict[str, Case] = {
         conv("conv2d_c58", "conv2d", 58, 58, [28, 28], 1, description="ShuffleNet 1x1, 58 ch"),
         group_norm("groupnorm", [1, 512, 49], 32, description="wav2vec2 first layer"),
         matmul("matmul_m197", [197, 768], [768, 768], True, description="ViT projection"),
+        conv(
+            "dwconv_s2",
+            "depthwise",
+            144,
+            144,
+            [56, 56],
+            3,
+            2,
+            1,
+            group=144,
+            description="MobileNetV2 stride-2 depthwise",
+        ),
+        conv(
+            "dwconv_s1",
+            "depthwise",
+            32,
+            32,
+            [112, 112],
+            3,
+            1,
+            1,
+            group=32,
+            description="MobileNetV2 first depthwise",
+        ),
     ]
 }
 
