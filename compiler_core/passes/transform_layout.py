@@ -104,6 +104,10 @@ class _Rewriter:
             block = self._pool_block(node)
             attrs = {**node.attr_dict, "data_layout": blocked_layout(block)}
             self._produce_blocked(node, (self.blocked[node.inputs[0]][block],), block, attrs)
+        elif self._concat_block(node):
+            block = self._concat_block(node)
+            inputs = tuple(self.as_blocked(v, block) for v in node.inputs)
+            self._produce_blocked(node, inputs, block, {**node.attr_dict, "axis": 1})
         else:
             inputs = tuple(self.as_plain(v) if v in self.blocked else v for v in node.inputs)
             self._emit(node.replace(inputs=inputs))
@@ -144,6 +148,21 @@ class _Rewriter:
         if node.op not in POOLS or any(node.outputs[1:]) or len(node.attr("kernel_shape")) != 2:
             return 0
         return self._block_available(node.inputs[0])
+
+    def _concat_block(self, node: Node) -> int:
+        """A Concat along channels keeps the block of its first blocked operand when every
+        operand's channels fill whole blocks: joining NCHW[b]c tensors on their channel-block
+        axis is the same concatenation (U-Net skips, DenseNet and Inception joins)."""
+        if node.op != "Concat" or not any(v in self.blocked for v in node.inputs):
+            return 0
+        shape = self.graph.types[node.outputs[0]].shape
+        axis = node.attr("axis")
+        if len(shape) != 4 or axis % 4 != 1:
+            return 0
+        block = next(self._block_available(v) for v in node.inputs if v in self.blocked)
+        if any(self.graph.types[v].shape[1] % block for v in node.inputs):
+            return 0
+        return block
 
     def _blocked_elementwise(self, node: Node, block: int) -> None:
         data = set(self._data_inputs(node))

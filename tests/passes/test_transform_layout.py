@@ -173,3 +173,44 @@ def test_pools_run_blocked_unless_indices_are_asked_for():
         pool = next(n for n in after.nodes if n.op == "MaxPool")
         assert pool.attr("data_layout", "NCHW") == expected
         assert_same_function(before, after)
+
+
+def test_channel_concat_of_blocked_operands_stays_blocked():
+    """U-Net's skip join: two conv outputs concatenated on channels feed a conv; no plain
+    round trip in between, and a plain operand is blocked to join them."""
+    model = make_model(
+        [
+            conv("a", "x", "wa", "p", pads=[1, 1, 1, 1]),
+            conv("b", "p", "wb", "q", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["x"], ["r"], name="plain"),
+            helper.make_node("Concat", ["q", "p", "r"], ["j"], name="join", axis=-3),
+            conv("head", "j", "wc", "y"),
+        ],
+        [("x", FLOAT, [1, 16, 6, 6])],
+        [("y", FLOAT, [1, 16, 6, 6])],
+        {"wa": rand(16, 16, 3, 3), "wb": rand(32, 16, 3, 3), "wc": rand(16, 64, 1, 1)},
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before)
+    join = next(n for n in after.nodes if n.op == "Concat")
+    assert after.types[join.outputs[0]].rank == 5 and join.attr("axis") == 1
+    head = next(n for n in after.nodes if n.op == "Conv" and n.inputs[0] == join.outputs[0])
+    assert head.attr("data_layout") == "NCHW16c"
+    assert_same_function(before, after)
+
+
+def test_concat_whose_channels_split_a_block_stays_plain():
+    model = make_model(
+        [
+            conv("a", "x", "wa", "p"),
+            helper.make_node("Concat", ["p", "x"], ["y"], name="join", axis=1),
+        ],
+        [("x", FLOAT, [1, 4, 5, 5])],
+        [("y", FLOAT, [1, 20, 5, 5])],
+        {"wa": rand(16, 4, 1, 1)},
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before)
+    join = next(n for n in after.nodes if n.op == "Concat")
+    assert after.types[join.outputs[0]].rank == 4
+    assert_same_function(before, after)
