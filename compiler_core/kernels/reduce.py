@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
-from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
+from compiler_core.loop.ir import (
+    INDEX,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Select,
+    Unary,
+    logical_and,
+    maximum,
+    minimum,
+)
 from compiler_core.te import (
+    Tensor,
     compute,
     reduce_axis,
     reduce_max,
@@ -22,8 +36,100 @@ from compiler_core.te import (
 def _reduction(ctx: KernelContext, node: Node, x_value: str, combiner, transform=None):
     """Reduce `x` over the node's axes: returns (tensor, count of reduced elements)."""
     x = ctx.tensor(x_value)
-    count = math.prod(x.shape[a] for a in reduce_axes(node, len(x.shape)))
+    axes = reduce_axes(node, len(x.shape))
+    count = math.prod(x.shape[a] for a in axes)
+    rows = _trailing_rows(ctx, x_value, x, axes)
+    kind = COMBINER_KINDS.get(combiner)
+    if rows is not None and kind is not None:
+        out = ctx.type(node.outputs[0])
+        rank = len(rows.shape)
+
+        def term(r, k):
+            return transform(rows.at(r, k)) if transform else rows.at(r, k)
+
+        def row_of(i):  # the output index's row part (keepdims leaves ones after it)
+            return i[:rank]
+
+        return row_reduce(ctx, node, out.shape, row_of, rows, kind, term), count
     return _reduction_of(ctx, node, x, combiner, transform), count
+
+
+# --- row reductions: vector partial results over a contiguous trailing extent ----------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """`x` read as rows of `n` contiguous elements: `at(r, k)` is element k of row r."""
+
+    shape: tuple[int, ...]  # the row dimensions
+    n: int
+    at: Callable[[tuple, Expr], Expr]
+
+
+def _trailing_rows(ctx: KernelContext, value: str, x, axes) -> Rows | None:
+    """`x` as rows when `axes` are its trailing axes, the element type has vector lanes, and
+    a row's elements are contiguous in the indices the kernel reads them at: one trailing
+    axis, or several of a kernel input (read through a view as one flat axis)."""
+    rank = len(x.shape)
+    first = rank - len(axes)
+    if list(axes) != list(range(first, rank)) or x.dtype != "float32":
+        return None
+    rows, n = tuple(x.shape[:first]), math.prod(x.shape[first:])
+    if n < ctx.target.vector_lanes:
+        return None
+    if len(axes) == 1:
+        return Rows(rows, n, lambda r, k: x[(*r, k)])
+    if not x.is_placeholder:  # computed in this kernel: a flat index would not stay affine
+        return None
+    flat = ctx.reshaped(value, (*rows, n))
+    return Rows(rows, n, lambda r, k: flat[(*r, k)])
+
+
+@dataclasses.dataclass(frozen=True)
+class CombinerKind:
+    reduce: Callable
+    pair: Callable[[Expr, Expr], Expr]
+    idempotent: bool  # an element counted twice changes nothing (max, min)
+
+
+COMBINER_KINDS = {
+    reduce_sum: CombinerKind(reduce_sum, lambda a, b: a + b, False),
+    reduce_max: CombinerKind(reduce_max, maximum, True),
+    reduce_min: CombinerKind(reduce_min, minimum, True),
+}
+
+
+def row_reduce(ctx, node, shape, row_of, rows: Rows, kind: CombinerKind, term) -> Tensor:
+    """`kind` over each row of term(r, k), k < rows.n, as a tensor of `shape` (row_of maps its
+    index to the row). Two stages: a partial result per vector lane over the row's whole
+    vectors (its schedule keeps the lanes in one register: `row_partial`), then the lanes
+    folded together with the remainder, read as the row's last vector (ending at n) with the
+    lanes the whole vectors already covered masked out (for sum; max and min take them
+    twice)."""
+    lanes = ctx.target.vector_lanes
+    whole, rest = divmod(rows.n, lanes)
+    ko = reduce_axis(whole, "rv")
+    partial = compute(
+        (*rows.shape, lanes),
+        lambda *i: kind.reduce(term(i[:-1], ko * Const(lanes, INDEX) + i[-1]), ko),
+        ctx.stage_name(node, "vec"),
+    )
+    ctx.note(partial.name, row_partial=True)
+    lane = reduce_axis(lanes, "rl")
+
+    def fold(*i):
+        r = tuple(row_of(i))
+        value = partial[(*r, lane)]
+        if rest:
+            last = term(r, Const(rows.n - lanes, INDEX) + lane)
+            if not kind.idempotent:
+                last = Select(lane >= Const(lanes - rest, INDEX), last, Const(0, last.dtype))
+            value = kind.pair(value, last)
+        return kind.reduce(value, lane)
+
+    folded = compute(shape, fold, ctx.stage_name(node))
+    ctx.note(folded.name, partial=partial.name)
+    return folded
 
 
 def _simple(combiner, transform=None, finish=None) -> Builder:
@@ -132,11 +238,52 @@ KERNELS_REDUCE: dict[str, Builder] = {
 }
 
 
+def note_row_stages(ctx: KernelContext, out: Tensor, rows: int, stats: list[Tensor]) -> None:
+    """Tell the `row_reduction` schedule that `out`'s first `rows` loops walk rows, and which
+    statistics stages (each row_reduce's partial and fold, in order) it may compute one row
+    at a time inside them."""
+    names = []
+    for t in stats:
+        names += [ctx.notes[t.name]["partial"], t.name]
+    ctx.note(out.name, row_stages=tuple(names), rows=rows)
+
+
+def _softmax_rows(ctx: KernelContext, node: Node, log: bool):
+    """Softmax over contiguous rows: the row's max and its sum of exp(x - max) from vector
+    partial results, then one vector pass writing the output, row by row."""
+    x = ctx.tensor(node.inputs[0])
+    rows = _trailing_rows(ctx, node.inputs[0], x, [len(x.shape) - 1])
+    if rows is None:
+        return None
+    rank = len(rows.shape)
+    peak = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_max], rows.at)
+
+    def exp_shifted(r, k):
+        return Unary("exp", rows.at(r, k) - peak[r])
+
+    total = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], exp_shifted)
+
+    def body(*i):
+        r = i[:rank]
+        if log:
+            return x[i] - peak[r] - Unary("log", total[r])
+        # times the reciprocal: one division per row, hoisted out of the row's loop
+        return Unary("exp", x[i] - peak[r]) * (Const(1.0, x.dtype) / total[r])
+
+    out = compute(x.shape, body, ctx.stage_name(node))
+    note_row_stages(ctx, out, rank, [peak, total])
+    return [out]
+
+
 def _softmax(log: bool) -> Builder:
     def build(ctx: KernelContext, node: Node):
         x = ctx.tensor(node.inputs[0])
         rank = len(x.shape)
         axis = node.attr("axis", -1) % rank
+        if axis == rank - 1:
+            fast = _softmax_rows(ctx, node, log)
+            if fast is not None:
+                return fast
         k = reduce_axis(x.shape[axis], "r")
 
         def along(i, j):

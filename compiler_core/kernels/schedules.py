@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 from compiler_core.schedule.primitives import (
     CacheWrite,
+    ComputeAt,
     ComputeInline,
     Fuse,
     Parallel,
@@ -22,6 +23,7 @@ from compiler_core.schedule.primitives import (
     Reorder,
     ReverseComputeInline,
     Split,
+    SplitOverlap,
     Unroll,
     Vectorize,
 )
@@ -291,6 +293,60 @@ def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) ->
     return int(config["mr"]) * vectors + vectors <= target.vector_registers
 
 
+def row_partial_schedule(name: str, rows: int, suffix: str = "") -> list[Record]:
+    """A row_reduce partial stage (`name`: rows x lanes, reduced over the row's whole vectors):
+    the vector loop outside the lane loop, the lanes accumulated in one register (a local
+    tile), and every access a vector. `suffix`: `_at` once it is computed inside a row."""
+    lane, whole = f"{name}_i{rows}{suffix}", f"{name}_rv"
+    return [
+        Reorder((whole, lane)),
+        CacheWrite(name, whole),
+        Vectorize(lane),
+        Vectorize(f"{name}_init{rows}"),
+        Vectorize(f"{name}_wb{rows}"),
+    ]
+
+
+def _vector_rows(loop: str, extent: int, target: Target) -> list[Record]:
+    """Vectorize a pure stage's innermost loop: whole vectors, then one last vector ending at
+    the loop's end when the extent is not a multiple of the lanes."""
+    lanes = target.vector_lanes
+    if extent < lanes:
+        return []
+    if extent % lanes == 0:
+        return [Split(loop, lanes), Vectorize(f"{loop}_i")]
+    return [SplitOverlap(loop, lanes), Vectorize(f"{loop}_i"), Vectorize(f"{loop}_t")]
+
+
+def row_schedule(
+    out: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
+) -> list[Record]:
+    """A row-wise kernel (softmax, layer norm): `out`'s first `rows` loops walk rows and its
+    statistics (max, sums: row_reduce stages) are read per row. With `per_row`, they are
+    computed inside the row loop, so the row is still in L1 when `out` reads it again; the
+    row loops fuse into one parallel loop; the row's elements are vectors. Knobs: per_row."""
+    rows, stats = out.note("rows"), out.note("row_stages")
+    partials = stats[0::2]
+    per_row = bool(config["per_row"]) and rows > 0
+    records: list[Record] = []
+    if per_row:
+        records += [ComputeAt(name, out.loop(rows - 1)) for name in reversed(stats)]
+    for name in partials:
+        records += row_partial_schedule(name, rows, "_at" if per_row else "")
+    if not per_row and rows > 0:
+        records += [Parallel(f"{name}_i0") for name in stats]
+    records += _vector_rows(out.loop(len(out.shape) - 1), out.shape[-1], target)
+    parallel = out.loop(0) if rows > 0 else None
+    for k in range(1, rows):
+        records.append(Fuse(parallel, out.loop(k)))
+        parallel = f"{parallel}_{out.loop(k)}_f"
+    return records + ([Parallel(parallel)] if parallel else [])
+
+
+def _row_knobs(out: StageInfo, target: Target) -> tuple[Knob, ...]:
+    return (Knob("per_row", (0, 1), 1),)
+
+
 # --- templates: the default schedules with their knobs --------------------------------------
 
 
@@ -319,6 +375,7 @@ class Template:
 TEMPLATES: dict[str, Template] = {
     "conv2d_nchwc": Template("conv2d_nchwc", 1, _nchwc_knobs, nchwc_conv_schedule),
     "dense": Template("dense", 1, _matmul_knobs, matmul_schedule, _matmul_fits),
+    "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
 }
 
 
@@ -390,9 +447,18 @@ def _prepared(stages: list[StageInfo]):
     return stages, records, kept, inlined, anchor
 
 
+def _row_anchor(kept: list[StageInfo]) -> StageInfo | None:
+    """The output stage of a row-wise kernel (noted by its builder), if the group has one."""
+    return next((s for s in kept if s.note("row_stages") and s.output), None)
+
+
 def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
     """The group's tunable stage, if its anchor has a template."""
     stages, _, kept, inlined, anchor = _prepared(stages)
+    row = _row_anchor(kept)
+    if anchor is None and row is not None:
+        template = TEMPLATES["row_reduction"]
+        return Tunable(template, row, None, template.knobs(row, target), target)
     if anchor is None:
         return None
     layout = anchor.note("layout")
@@ -416,7 +482,7 @@ def schedule_for(
     tunable = tunable_of(stages, target)
     if tunable is not None:
         records += tunable.records(config)
-        handled.add(anchor.name)
+        handled.add(tunable.anchor.name)
     elif anchor is not None:
         epilogue = _epilogue_of(anchor, kept, inlined, stages)
         layout = anchor.note("layout")
@@ -428,10 +494,22 @@ def schedule_for(
                 handled.add(epilogue.name)
     if tunable is not None and tunable.epilogue is not None:
         handled.add(tunable.epilogue.name)
+    if tunable is not None and tunable.template.name == "row_reduction":
+        handled.update(tunable.anchor.note("row_stages"))
     for stage in kept:
-        if stage.name not in handled:
+        if stage.name in handled:
+            continue
+        if stage.note("row_partial"):
+            records += row_partial_schedule(stage.name, len(stage.shape) - 1)
+            records += _parallel_rows(stage, len(stage.shape) - 1)
+        else:
             records += generic_schedule(stage, target)
     return records
+
+
+def _parallel_rows(stage: StageInfo, rows: int) -> list[Record]:
+    outer = next((k for k in range(rows) if stage.shape[k] > 1), None)
+    return [] if outer is None else [Parallel(stage.loop(outer))]
 
 
 def default_schedule(stages: list[StageInfo], target: Target) -> list[Record]:

@@ -55,6 +55,17 @@ class Split:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitOverlap:
+    """Split `loop` into `loop_o` x `loop_i` over its whole `factor`-sized chunks, and cover
+    the remainder with one more chunk, `loop_t`, that ends at the loop's end (it overlaps the
+    last whole chunk): a row of 197 is 24 vectors and a vector at 189, not a scalar tail.
+    Overlapped iterations run twice, so the loop's stores must not read what they write."""
+
+    loop: str
+    factor: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Reorder:
     loops: tuple[str, ...]
 
@@ -110,6 +121,7 @@ class CacheWrite:
 
 Record = (
     Split
+    | SplitOverlap
     | Reorder
     | Fuse
     | Vectorize
@@ -124,6 +136,7 @@ RECORD_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Split,
+        SplitOverlap,
         Reorder,
         Fuse,
         Vectorize,
@@ -223,6 +236,28 @@ def split(func: PrimFunc, r: Split) -> PrimFunc:
         body = IfThenElse(Binary("lt", index, Const(loop.extent, INDEX)), body)
     outer_extent = -(-loop.extent // r.factor)
     new = For(outer, outer_extent, For(inner, r.factor, body), loop.kind)
+    return _with_body(func, replace_stmt(func.body, loop, new))
+
+
+def split_overlap(func: PrimFunc, r: SplitOverlap) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    if not 1 <= r.factor <= loop.extent:
+        raise ScheduleError(f"{r}: factor must be in 1..{loop.extent}")
+    stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store)]
+    written = {s.buffer for s in stores}
+    reads = {x.buffer for s in stores for x in walk_exprs(s.value) if isinstance(x, Load)}
+    if reads & written:
+        raise ScheduleError(f"{r}: a store reads what the loop writes; overlap would repeat it")
+    outer = _fresh_loop_name(func, f"{r.loop}_o", r)
+    inner = _fresh_loop_name(func, f"{r.loop}_i", r)
+    tail = _fresh_loop_name(func, f"{r.loop}_t", r)
+    whole = loop.extent // r.factor
+    index = Binary("add", Binary("mul", outer, Const(r.factor, INDEX)), inner)
+    new: Stmt = For(outer, whole, For(inner, r.factor, substitute(loop.body, {r.loop: index})))
+    if loop.extent % r.factor:
+        start = Const(loop.extent - r.factor, INDEX)
+        rest = For(tail, r.factor, substitute(loop.body, {r.loop: Binary("add", start, tail)}))
+        new = seq(new, rest)
     return _with_body(func, replace_stmt(func.body, loop, new))
 
 
@@ -585,6 +620,7 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
 
 PRIMITIVES = {
     Split: split,
+    SplitOverlap: split_overlap,
     Reorder: reorder,
     Fuse: fuse,
     Vectorize: vectorize,
