@@ -313,7 +313,46 @@ def _softmax(log: bool) -> Builder:
     return build
 
 
+def _layer_norm_rows(ctx: KernelContext, node: Node):
+    """Layer norm over contiguous rows: the row's mean, then its centered sum of squares (two
+    vector passes over a row still in L1), then one vector pass normalizing it."""
+    x = ctx.tensor(node.inputs[0])
+    rank = len(x.shape)
+    axis = node.attr("axis", -1) % rank
+    rows = _trailing_rows(ctx, node.inputs[0], x, list(range(axis, rank)))
+    if rows is None or axis == 0 or len(node.outputs) > 1 and any(node.outputs[1:]):
+        return None
+    inverse_count = Const(1.0 / rows.n, x.dtype)
+    eps = Const(node.attr("epsilon", 1e-5), x.dtype)
+    total = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], rows.at)
+
+    def centered_square(r, k):
+        d = rows.at(r, k) - total[r] * inverse_count
+        return d * d
+
+    squares = row_reduce(
+        ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], centered_square
+    )
+    scale = ctx.tensor(node.inputs[1])
+    bias = ctx.tensor(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+
+    def body(*i):
+        outer, rest = i[:axis], i[axis:]
+        mean = total[outer] * inverse_count
+        # times 1/std: one division and root per row, hoisted out of the row's loop
+        inverse_std = Const(1.0, x.dtype) / Unary("sqrt", squares[outer] * inverse_count + eps)
+        scaled = (x[i] - mean) * inverse_std * scale[_param_index(scale, rest)]
+        return scaled + bias[_param_index(bias, rest)] if bias is not None else scaled
+
+    out = compute(x.shape, body, ctx.stage_name(node))
+    note_row_stages(ctx, out, axis, [total, squares])
+    return [out]
+
+
 def _layer_norm(ctx: KernelContext, node: Node):
+    fast = _layer_norm_rows(ctx, node)
+    if fast is not None:
+        return fast
     x = ctx.tensor(node.inputs[0])
     rank = len(x.shape)
     axis = node.attr("axis", -1) % rank
@@ -573,6 +612,46 @@ def _group_norm(ctx: KernelContext, node: Node):
     def member(g, rc, rs):
         return x[(g[0], g[1] * Const(per_group, INDEX) + rc, *rs)]
 
+    stats = _group_norm_stats(ctx, node, x, groups, inverse_count)
+    if stats is not None:
+        total, spread = stats
+    else:
+        total, spread = _group_norm_scalar_stats(ctx, node, x, groups, member, inverse_count)
+    by_group = scale.shape[0] != channels  # opset 18: one scale and bias per group
+
+    def body(b, c, *s):
+        g = Binary("floordiv", c, Const(per_group, INDEX))
+        mean = total[(b, g)] * inverse_count
+        inverse_std = Const(1.0, x.dtype) / Unary("sqrt", spread[(b, g)] * inverse_count + eps)
+        k = (g,) if by_group else (c,)
+        return (x[(b, c, *s)] - mean) * inverse_std * scale[k] + bias[k]
+
+    return [compute(x.shape, body, ctx.stage_name(node))]
+
+
+def _group_norm_stats(ctx: KernelContext, node: Node, x, groups: int, inverse_count):
+    """Each group's sum and centered sum of squares as row reductions over the group's
+    contiguous channels x spatial elements (x read as [n, groups, elements])."""
+    n = x.shape[0]
+    length = math.prod(x.shape[1:]) // groups
+    if x.dtype != "float32" or length < ctx.target.vector_lanes:
+        return None
+    flat = ctx.reshaped(node.inputs[0], (n, groups, length))
+    rows = Rows((n, groups), length, lambda r, k: flat[(*r, k)])
+    total = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], rows.at)
+
+    def centered_square(r, k):
+        d = rows.at(r, k) - total[r] * inverse_count
+        return d * d
+
+    kind = COMBINER_KINDS[reduce_sum]
+    return total, row_reduce(ctx, node, rows.shape, tuple, rows, kind, centered_square)
+
+
+def _group_norm_scalar_stats(ctx, node, x, groups, member, inverse_count):
+    n = x.shape[0]
+    per_group = x.shape[1] // groups
+    spatial = x.shape[2:]
     rc = reduce_axis(per_group, "rc")
     rs = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
     total = compute(
@@ -587,17 +666,7 @@ def _group_norm(ctx: KernelContext, node: Node):
         d = member((b, g), rc2, rs2) - total[(b, g)] * inverse_count
         return reduce_sum(d * d, [rc2, *rs2])
 
-    spread = compute((n, groups), squares, ctx.stage_name(node))
-    by_group = scale.shape[0] != channels  # opset 18: one scale and bias per group
-
-    def body(b, c, *s):
-        g = Binary("floordiv", c, Const(per_group, INDEX))
-        mean = total[(b, g)] * inverse_count
-        std = Unary("sqrt", spread[(b, g)] * inverse_count + eps)
-        k = (g,) if by_group else (c,)
-        return (x[(b, c, *s)] - mean) / std * scale[k] + bias[k]
-
-    return [compute(x.shape, body, ctx.stage_name(node))]
+    return total, compute((n, groups), squares, ctx.stage_name(node))
 
 
 KERNELS["GroupNormalization"] = _group_norm

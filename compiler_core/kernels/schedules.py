@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from compiler_core.schedule.primitives import (
+    MAX_VECTOR_LANES,
     CacheWrite,
     ComputeAt,
     ComputeInline,
@@ -343,6 +344,34 @@ def row_schedule(
     return records + ([Parallel(parallel)] if parallel else [])
 
 
+def plain_pool_schedule(
+    pool: StageInfo, epilogue: StageInfo | None, target: Target
+) -> list[Record]:
+    """2-d pooling over plain NCHW: a register tile of output pixels along the width (a whole
+    output row when it fits) takes every tap of the window as one vector operation, and the
+    epilogue (AveragePool's divide) runs on it before the single store; the padded copy of
+    the input is made one channel plane at a time, while it stays in L1; parallel over
+    channels."""
+    n, c, y, x = (pool.loop(k) for k in range(4))
+    width = pool.shape[3]
+    taps = [name for name, _ in pool.reduce_axes]
+    most = min(MAX_VECTOR_LANES, max_accumulators(target) * target.vector_lanes)
+    tile = _largest_divisor(width, tuple(range(min(width, most), 1, -1)))
+    records: list[Record] = []
+    if pool.note("padded"):
+        records.append(ComputeAt(pool.note("padded"), c))
+    inner = x
+    if tile < width:
+        records.append(Split(x, tile))
+        inner = f"{x}_i"
+    records += [Reorder((*taps, inner)), CacheWrite(pool.name, taps[0])]
+    if tile > 1:
+        records += [Vectorize(inner), *_vector_tile_io(pool)]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    return [*records, Parallel(c)]
+
+
 def _row_knobs(out: StageInfo, target: Target) -> tuple[Knob, ...]:
     return (Knob("per_row", (0, 1), 1),)
 
@@ -418,15 +447,15 @@ class Tunable:
 
 
 def generic_schedule(stage: StageInfo, target: Target) -> list[Record]:
-    """Parallel outermost loop with work; vectorize the innermost loop of a pure stage."""
+    """Parallel outermost loop with work; vectorize the innermost loop of a pure stage (a
+    remainder is one more vector ending at the loop's end)."""
     records: list[Record] = []
     rank = len(stage.shape)
     if rank == 0:
         return records
     inner = rank - 1
-    lanes = target.vector_lanes
-    if stage.pure and stage.shape[inner] % lanes == 0:
-        records += [Split(stage.loop(inner), lanes), Vectorize(f"{stage.loop(inner)}_i")]
+    if stage.pure and stage.name not in stage.reads:
+        records += _vector_rows(stage.loop(inner), stage.shape[inner], target)
     outer = next((k for k in range(rank) if stage.shape[k] > 1), None)
     if outer is not None and not (stage.pure and outer == inner and records):
         records.append(Parallel(stage.loop(outer)))
@@ -496,6 +525,12 @@ def schedule_for(
         handled.add(tunable.epilogue.name)
     if tunable is not None and tunable.template.name == "row_reduction":
         handled.update(tunable.anchor.note("row_stages"))
+    for stage in kept:
+        if stage.note("pool") == "plain" and stage.name not in handled:
+            epilogue = _epilogue_of(stage, kept, inlined, stages)
+            records += plain_pool_schedule(stage, epilogue, target)
+            handled |= {stage.name, stage.note("padded")}
+            handled |= {epilogue.name} if epilogue is not None else set()
     for stage in kept:
         if stage.name in handled:
             continue
