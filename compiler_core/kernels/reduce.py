@@ -240,12 +240,21 @@ KERNELS_REDUCE: dict[str, Builder] = {
 
 def note_row_stages(ctx: KernelContext, out: Tensor, rows: int, stats: list[Tensor]) -> None:
     """Tell the `row_reduction` schedule that `out`'s first `rows` loops walk rows, and which
-    statistics stages (each row_reduce's partial and fold, in order) it may compute one row
-    at a time inside them."""
-    names = []
+    stages (in order) it may compute one row at a time inside them: each row_reduce's partial
+    and fold, and pure row stages (`row_pure`: one row of values read twice)."""
+    names, partials, pure = [], [], []
     for t in stats:
-        names += [ctx.notes[t.name]["partial"], t.name]
-    ctx.note(out.name, row_stages=tuple(names), rows=rows)
+        partial = ctx.notes.get(t.name, {}).get("partial")
+        names += [partial, t.name] if partial else [t.name]
+        partials += [partial] if partial else []
+        pure += [] if partial else [t.name]
+    ctx.note(
+        out.name,
+        row_stages=tuple(names),
+        row_partials=tuple(partials),
+        row_pure=tuple(pure),
+        rows=rows,
+    )
 
 
 def _softmax_rows(ctx: KernelContext, node: Node, log: bool):
@@ -258,8 +267,12 @@ def _softmax_rows(ctx: KernelContext, node: Node, log: bool):
     rank = len(rows.shape)
     peak = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_max], rows.at)
 
+    # exp(x - max) once per element: kept (one row at a time) for the sum and the output
+    shifted = compute(x.shape, lambda *i: Unary("exp", x[i] - peak[i[:rank]]), ctx.stage_name(node))
+    ctx.note(shifted.name, materialize=True)
+
     def exp_shifted(r, k):
-        return Unary("exp", rows.at(r, k) - peak[r])
+        return shifted[(*r, k)]
 
     total = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], exp_shifted)
 
@@ -268,10 +281,10 @@ def _softmax_rows(ctx: KernelContext, node: Node, log: bool):
         if log:
             return x[i] - peak[r] - Unary("log", total[r])
         # times the reciprocal: one division per row, hoisted out of the row's loop
-        return Unary("exp", x[i] - peak[r]) * (Const(1.0, x.dtype) / total[r])
+        return shifted[i] * (Const(1.0, x.dtype) / total[r])
 
     out = compute(x.shape, body, ctx.stage_name(node))
-    note_row_stages(ctx, out, rank, [peak, total])
+    note_row_stages(ctx, out, rank, [peak, shifted, total])
     return [out]
 
 

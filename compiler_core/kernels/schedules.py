@@ -326,14 +326,16 @@ def row_schedule(
     statistics (max, sums: row_reduce stages) are read per row. With `per_row`, they are
     computed inside the row loop, so the row is still in L1 when `out` reads it again; the
     row loops fuse into one parallel loop; the row's elements are vectors. Knobs: per_row."""
-    rows, stats = out.note("rows"), out.note("row_stages")
-    partials = stats[0::2]
+    rows, stats, pure = out.note("rows"), out.note("row_stages"), out.note("row_pure")
     per_row = bool(config["per_row"]) and rows > 0
+    suffix = "_at" if per_row else ""
     records: list[Record] = []
     if per_row:
         records += [ComputeAt(name, out.loop(rows - 1)) for name in reversed(stats)]
-    for name in partials:
-        records += row_partial_schedule(name, rows, "_at" if per_row else "")
+    for name in out.note("row_partials"):
+        records += row_partial_schedule(name, rows, suffix)
+    for name in pure:
+        records += _vector_rows(f"{name}_i{len(out.shape) - 1}{suffix}", out.shape[-1], target)
     if not per_row and rows > 0:
         records += [Parallel(f"{name}_i0") for name in stats]
     records += _vector_rows(out.loop(len(out.shape) - 1), out.shape[-1], target)
