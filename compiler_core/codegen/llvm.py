@@ -660,9 +660,11 @@ class FunctionEmitter:
         x = self._binary(b, "min", "float32", x, c(88.7))
         n = b.call(
             self._intrinsic("llvm.floor", x.type),
-            [b.fadd(b.fmul(x, c(1.4426950408889634)), c(0.5))],
+            [b.fadd(b.fmul(x, c(1.4426950408889634), flags=FAST_MATH), c(0.5), flags=FAST_MATH)],
         )
-        r = b.fsub(b.fsub(x, b.fmul(n, c(0.693359375))), b.fmul(n, c(-2.12194440e-4)))
+        # x - n ln2 in two parts (Cody-Waite), each an FMA
+        high = b.fsub(x, b.fmul(n, c(0.693359375), flags=FAST_MATH), flags=FAST_MATH)
+        r = b.fsub(high, b.fmul(n, c(-2.12194440e-4), flags=FAST_MATH), flags=FAST_MATH)
         poly = c(1.0 / 720)
         for coefficient in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
             poly = b.fadd(b.fmul(poly, r, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)

@@ -128,16 +128,20 @@ def row_reduce(ctx, node, shape, row_of, rows: Rows, kind: CombinerKind, term) -
         return kind.reduce(value, lane)
 
     folded = compute(shape, fold, ctx.stage_name(node))
-    ctx.note(folded.name, partial=partial.name)
+    ctx.note(folded.name, partial=partial.name, rows=len(rows.shape))
     return folded
 
 
 def _simple(combiner, transform=None, finish=None) -> Builder:
     def build(ctx: KernelContext, node: Node):
         total, count = _reduction(ctx, node, node.inputs[0], combiner, transform)
-        if finish is None:
-            return [total]
-        return [compute(total.shape, lambda *i: finish(total[i], count), ctx.stage_name(node))]
+        out = total
+        if finish is not None:
+            out = compute(total.shape, lambda *i: finish(total[i], count), ctx.stage_name(node))
+        rows = ctx.notes.get(total.name, {}).get("rows")
+        if rows is not None:  # a row reduction: one parallel loop over rows does every stage
+            note_row_stages(ctx, out, rows, [total] if out is not total else [])
+        return [out]
 
     return build
 
@@ -241,13 +245,16 @@ KERNELS_REDUCE: dict[str, Builder] = {
 def note_row_stages(ctx: KernelContext, out: Tensor, rows: int, stats: list[Tensor]) -> None:
     """Tell the `row_reduction` schedule that `out`'s first `rows` loops walk rows, and which
     stages (in order) it may compute one row at a time inside them: each row_reduce's partial
-    and fold, and pure row stages (`row_pure`: one row of values read twice)."""
+    and fold, and pure row stages (`row_pure`: one row of values read twice). `out` may be a
+    row_reduce fold itself."""
     names, partials, pure = [], [], []
-    for t in stats:
+    for t in [*stats, out]:
         partial = ctx.notes.get(t.name, {}).get("partial")
-        names += [partial, t.name] if partial else [t.name]
+        names += [partial] if partial else []
         partials += [partial] if partial else []
-        pure += [] if partial else [t.name]
+        if t is not out:
+            names.append(t.name)
+            pure += [] if partial else [t.name]
     ctx.note(
         out.name,
         row_stages=tuple(names),

@@ -338,7 +338,8 @@ def row_schedule(
         records += _vector_rows(f"{name}_i{len(out.shape) - 1}{suffix}", out.shape[-1], target)
     if not per_row and rows > 0:
         records += [Parallel(f"{name}_i0") for name in stats]
-    records += _vector_rows(out.loop(len(out.shape) - 1), out.shape[-1], target)
+    if len(out.shape) > rows and not out.reduce_axes:
+        records += _vector_rows(out.loop(len(out.shape) - 1), out.shape[-1], target)
     parallel = out.loop(0) if rows > 0 else None
     for k in range(1, rows):
         records.append(Fuse(parallel, out.loop(k)))
