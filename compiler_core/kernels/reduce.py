@@ -186,7 +186,15 @@ def _reduction_of(ctx: KernelContext, node: Node, x, combiner, transform=None):
         value = x[tuple(index)]
         return combiner(transform(value) if transform else value, raxes)
 
-    return compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    reduced = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    _note_vector_inner(ctx, reduced, x, axes)
+    return reduced
+
+
+def _note_vector_inner(ctx: KernelContext, stage: Tensor, x: Tensor, axes) -> None:
+    """A reduction that keeps x's last (contiguous) axis: its schedule vectorizes along it."""
+    if len(x.shape) - 1 not in axes and x.dtype == "float32" and len(stage.shape) > 0:
+        ctx.note(stage.name, vector_inner=True)
 
 
 def _arg(kind: str) -> Builder:
@@ -322,6 +330,8 @@ def _softmax(log: bool) -> Builder:
             lambda *i: reduce_sum(Unary("exp", x[along(i, k2)] - peak[i]), k2),
             ctx.stage_name(node),
         )
+        _note_vector_inner(ctx, peak, x, [axis])
+        _note_vector_inner(ctx, total, x, [axis])
 
         def body(*i):
             if log:

@@ -358,8 +358,7 @@ def plain_pool_schedule(
     n, c, y, x = (pool.loop(k) for k in range(4))
     width = pool.shape[3]
     taps = [name for name, _ in pool.reduce_axes]
-    most = min(MAX_VECTOR_LANES, max_accumulators(target) * target.vector_lanes)
-    tile = _largest_divisor(width, tuple(range(min(width, most), 1, -1)))
+    tile = _output_row_tile(width, target)
     records: list[Record] = []
     if pool.note("padded"):
         records.append(ComputeAt(pool.note("padded"), c))
@@ -373,6 +372,41 @@ def plain_pool_schedule(
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     return [*records, Parallel(c)]
+
+
+def _output_row_tile(width: int, target: Target) -> int:
+    """Output elements along a row held as accumulators over a whole reduction: the whole row
+    when it fits the registers (a vector of any length: LLVM splits it into registers and one
+    shorter piece), else its largest divisor that does."""
+    most = min(MAX_VECTOR_LANES, max_accumulators(target) * target.vector_lanes)
+    return _largest_divisor(width, tuple(range(min(width, most), 1, -1)))
+
+
+def inner_vector_reduction_schedule(
+    stage: StageInfo, epilogue: StageInfo | None, target: Target
+) -> list[Record]:
+    """A reduction that keeps the contiguous last axis (softmax or a reduce over channels):
+    a tile of the output row accumulates in registers over the whole reduction, one vector
+    operation per reduced element; the epilogue runs on it before the single store."""
+    rank = len(stage.shape)
+    x = stage.loop(rank - 1)
+    reduce_loops = [name for name, _ in stage.reduce_axes]
+    tile = _output_row_tile(stage.shape[-1], target)
+    inner = x
+    records: list[Record] = []
+    if tile < stage.shape[-1]:
+        records.append(Split(x, tile))
+        inner = f"{x}_i"
+    records += [Reorder((*reduce_loops, inner)), CacheWrite(stage.name, reduce_loops[0])]
+    records += [Vectorize(inner), *_vector_tile_io(stage)]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    outer = next((k for k in range(rank - 1) if stage.shape[k] > 1), None)
+    if outer is not None:
+        records.append(Parallel(stage.loop(outer)))
+    elif inner != x:
+        records.append(Parallel(f"{x}_o"))
+    return records
 
 
 def _row_knobs(out: StageInfo, target: Target) -> tuple[Knob, ...]:
@@ -529,11 +563,20 @@ def schedule_for(
     if tunable is not None and tunable.template.name == "row_reduction":
         handled.update(tunable.anchor.note("row_stages"))
     for stage in kept:
-        if stage.note("pool") == "plain" and stage.name not in handled:
-            epilogue = _epilogue_of(stage, kept, inlined, stages)
+        if stage.name in handled:
+            continue
+        epilogue = _epilogue_of(stage, kept, inlined, stages)
+        if epilogue is not None and set(epilogue.reads) != {stage.name}:
+            epilogue = None  # it also reads another stage: not a single-store epilogue
+        if stage.note("pool") == "plain":
             records += plain_pool_schedule(stage, epilogue, target)
             handled |= {stage.name, stage.note("padded")}
-            handled |= {epilogue.name} if epilogue is not None else set()
+        elif stage.note("vector_inner") and stage.shape[-1] > 1:
+            records += inner_vector_reduction_schedule(stage, epilogue, target)
+            handled.add(stage.name)
+        else:
+            continue
+        handled |= {epilogue.name} if epilogue is not None else set()
     for stage in kept:
         if stage.name in handled:
             continue

@@ -56,9 +56,10 @@ def test_softmax_last_axis(op, length):
     check_against_ort(one_node(op, shape, shape, axis=-1, opset=13), shape, scale=4.0)
 
 
-@pytest.mark.parametrize("axis", [0, 1])
-def test_softmax_other_axes(axis):
-    shape = [5, 13, 11]
+@pytest.mark.parametrize(
+    ("shape", "axis"), [([5, 13, 11], 0), ([5, 13, 11], 1), ([2, 21, 9, 10], 1)]
+)
+def test_softmax_other_axes(shape, axis):
     check_against_ort(one_node("Softmax", shape, shape, axis=axis, opset=13), shape)
 
 
@@ -101,6 +102,8 @@ REDUCE_CASES = [
     ([3, 6, 9, 5], [2, 3]),  # 45 per row: vectors and a remainder
     ([4, 1000], [1]),
     ([3, 5, 7], [1]),  # not trailing
+    ([2, 6, 3, 67], [1, 2]),  # not trailing, a row of 67 (one register tile of 67 lanes)
+    ([1, 4, 3, 130], [1]),  # a row of 130: split into tiles
     ([2, 3, 4], [0, 1, 2]),  # everything
     ([6, 5], [1]),  # rows shorter than a vector
 ]
@@ -191,6 +194,10 @@ SCHEDULED = {
     ),
     "reduce_mean_spatial": lambda: one_node(
         "ReduceMean", [1, 3, 5, 7], [1, 3, 1, 1], opset=17, axes=[2, 3]
+    ),
+    "softmax_channels": lambda: one_node("Softmax", [1, 5, 6, 10], [1, 5, 6, 10], axis=1),
+    "reduce_sum_channels": lambda: one_node(
+        "ReduceSum", [2, 7, 67], [2, 67], opset=11, axes=[1], keepdims=0
     ),
     "avgpool_plain": lambda: one_node(
         "AveragePool", [1, 2, 9, 11], [1, 2, 9, 11], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
