@@ -210,6 +210,24 @@ CASES: dict[str, Case] = {
         conv("conv2d_c58", "conv2d", 58, 58, [28, 28], 1, description="ShuffleNet 1x1, 58 ch"),
         group_norm("groupnorm", [1, 512, 49], 32, description="wav2vec2 first layer"),
         matmul("matmul_m197", [197, 768], [768, 768], True, description="ViT projection"),
+        unary(
+            "softmax_channels",
+            "row_reduction",
+            "Softmax",
+            [1, 21, 56, 56],
+            {"axis": 1},
+            opset=13,
+            description="segmentation classes, axis 1",
+        ),
+        unary(
+            "maxpool_3x3s2",
+            "pooling",
+            "MaxPool",
+            [1, 64, 112, 112],
+            {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+            out_shape=_avgpool_out([1, 64, 112, 112], 3, 2, 1),
+            description="ResNet stem pool, plain NCHW",
+        ),
     ]
 }
 
