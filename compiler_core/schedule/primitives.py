@@ -150,6 +150,9 @@ RECORD_TYPES: dict[str, type] = {
 }
 MAX_VECTOR_LANES = 64
 MAX_UNROLL = 256
+# ComputeAt shrinks a workspace stage to the region one iteration computes, on the stack of
+# the loop's thread, when that region is at most this big (L1-sized).
+MAX_LOCAL_BYTES = 32 * 1024
 
 
 def to_json(schedule: Sequence[Record]) -> str:
@@ -515,10 +518,47 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
         body = IfThenElse(guard, body)
     for local, extent in reversed(loops):
         body = For(local, extent, body)
-    moved = dataclasses.replace(target, body=seq(body, target.body))
+    inside = seq(body, target.body)
+    local = Buffer(buffer.name, tuple(extents), buffer.dtype, "local")
+    if buffer.scope == "workspace" and local.nbytes <= MAX_LOCAL_BYTES:
+        inside = _shrunk(func.body, nest, target, buffer, local, starts, inside)
+    moved = dataclasses.replace(target, body=inside)
     new_body = replace_stmt(func.body, target, moved)
     new_body = replace_stmt(new_body, nest, Block(()))
+    if isinstance(inside, Allocate) and inside.buffer == local:
+        new_body = _remove_allocation(new_body, buffer)
     return _with_body(func, new_body)
+
+
+def _accesses(stmt: Stmt, buffer: Buffer) -> int:
+    count = 0
+    for s in walk_stmts(stmt):
+        count += isinstance(s, Store) and s.buffer == buffer
+        for e in stmt_exprs(s):
+            count += sum(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(e))
+    return count
+
+
+def _shrunk(root: Stmt, nest: For, target: For, buffer: Buffer, local: Buffer, starts, inside):
+    """`inside` with `buffer` replaced by `local`, a buffer of just the region one iteration of
+    `target` computes (a row of softmax's exp values, a padded channel plane), allocated in
+    the loop: what is written and read back stays in L1 (or registers) instead of streaming
+    through a whole workspace buffer. Unchanged when the buffer is read outside the loop."""
+    if _accesses(root, buffer) != _accesses(nest, buffer) + _accesses(target, buffer):
+        return inside
+
+    def offset(indices):
+        return tuple(Binary("sub", i, start) for i, start in zip(indices, starts, strict=True))
+
+    def load(e: Expr):
+        return Load(local, offset(e.indices)) if isinstance(e, Load) and e.buffer == buffer else None
+
+    def store(st: Stmt):
+        if isinstance(st, Store) and st.buffer == buffer:
+            return Store(local, offset(st.indices), st.value)  # its value is already mapped
+        return None
+
+    return Allocate(local, map_stmt(inside, load, store))
 
 
 def _without_reduction_init(loop: For, buffer: Buffer, inside: set[str], record):
