@@ -551,7 +551,9 @@ def _shrunk(root: Stmt, nest: For, target: For, buffer: Buffer, local: Buffer, s
         return tuple(Binary("sub", i, start) for i, start in zip(indices, starts, strict=True))
 
     def load(e: Expr):
-        return Load(local, offset(e.indices)) if isinstance(e, Load) and e.buffer == buffer else None
+        if isinstance(e, Load) and e.buffer == buffer:
+            return Load(local, offset(e.indices))
+        return None
 
     def store(st: Stmt):
         if isinstance(st, Store) and st.buffer == buffer:
