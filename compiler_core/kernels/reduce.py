@@ -656,7 +656,12 @@ def _group_norm(ctx: KernelContext, node: Node):
         k = (g,) if by_group else (c,)
         return (x[(b, c, *s)] - mean) * inverse_std * scale[k] + bias[k]
 
-    return [compute(x.shape, body, ctx.stage_name(node))]
+    out = compute(x.shape, body, ctx.stage_name(node))
+    if stats is not None and spatial:
+        # rows are (batch, group): out's channel loop walks them in blocks of per_group
+        note_row_stages(ctx, out, 2, [total, spread])
+        ctx.note(out.name, row_split=(1, per_group))
+    return [out]
 
 
 def _group_norm_stats(ctx: KernelContext, node: Node, x, groups: int, inverse_count):

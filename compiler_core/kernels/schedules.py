@@ -330,8 +330,14 @@ def row_schedule(
     per_row = bool(config["per_row"]) and rows > 0
     suffix = "_at" if per_row else ""
     records: list[Record] = []
+    row_loops = [out.loop(k) for k in range(rows)]
+    if out.note("row_split") and per_row:
+        # rows in blocks of out's loop (a group norm's group is `factor` channels)
+        k, factor = out.note("row_split")
+        records.append(Split(out.loop(k), factor))
+        row_loops = [*row_loops[:k], f"{out.loop(k)}_o"]
     if per_row:
-        records += [ComputeAt(name, out.loop(rows - 1)) for name in reversed(stats)]
+        records += [ComputeAt(name, row_loops[-1]) for name in reversed(stats)]
     for name in out.note("row_partials"):
         records += row_partial_schedule(name, rows, suffix)
     for name in pure:
@@ -340,10 +346,10 @@ def row_schedule(
         records += [Parallel(f"{name}_i0") for name in stats]
     if len(out.shape) > rows and not out.reduce_axes:
         records += _vector_rows(out.loop(len(out.shape) - 1), out.shape[-1], target)
-    parallel = out.loop(0) if rows > 0 else None
-    for k in range(1, rows):
-        records.append(Fuse(parallel, out.loop(k)))
-        parallel = f"{parallel}_{out.loop(k)}_f"
+    parallel = row_loops[0] if row_loops else None
+    for loop in row_loops[1:]:
+        records.append(Fuse(parallel, loop))
+        parallel = f"{parallel}_{loop}_f"
     return records + ([Parallel(parallel)] if parallel else [])
 
 

@@ -86,7 +86,9 @@ def test_layer_norm(shape, axis, bias):
     check_against_ort(model, shape, scale=3.0)
 
 
-@pytest.mark.parametrize(("shape", "groups"), [([1, 512, 49], 32), ([2, 6, 5, 7], 3)])
+@pytest.mark.parametrize(
+    ("shape", "groups"), [([1, 512, 49], 32), ([2, 6, 5, 7], 3), ([2, 4, 9], 2), ([3, 6], 3)]
+)
 def test_group_norm(shape, groups):
     channels = shape[1]
     weights = {"scale": RNG.standard_normal(channels), "bias": RNG.standard_normal(channels)}
@@ -199,6 +201,14 @@ SCHEDULED = {
     "reduce_sum_channels": lambda: one_node(
         "ReduceSum", [2, 7, 67], [2, 67], opset=11, axes=[1], keepdims=0
     ),
+    "group_norm": lambda: one_node(
+        "GroupNormalization",
+        [2, 6, 5, 3],
+        [2, 6, 5, 3],
+        weights={"scale": RNG.standard_normal(6), "bias": RNG.standard_normal(6)},
+        opset=21,
+        num_groups=3,
+    ),
     "avgpool_plain": lambda: one_node(
         "AveragePool", [1, 2, 9, 11], [1, 2, 9, 11], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
     ),
@@ -211,7 +221,8 @@ def random_args(func):
 
 @pytest.mark.parametrize(
     ("name", "config"),
-    [(name, None) for name in SCHEDULED] + [("softmax_197", {"per_row": 0})],
+    [(name, None) for name in SCHEDULED]
+    + [("softmax_197", {"per_row": 0}), ("group_norm", {"per_row": 0})],
 )
 def test_row_schedules_keep_meaning(name, config, tmp_path):
     """Interpreter before and after the schedule (at its default point, or `config` of the
