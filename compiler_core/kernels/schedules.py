@@ -325,7 +325,9 @@ def row_schedule(
     """A row-wise kernel (softmax, layer norm): `out`'s first `rows` loops walk rows and its
     statistics (max, sums: row_reduce stages) are read per row. With `per_row`, they are
     computed inside the row loop, so the row is still in L1 when `out` reads it again; the
-    row loops fuse into one parallel loop; the row's elements are vectors. Knobs: per_row."""
+    row loops fuse into one parallel loop; the row's elements are vectors. A `row_split`
+    note (k, factor) says out's loop k walks rows in blocks of `factor` (group norm: a group
+    of channels). Knobs: per_row."""
     rows, stats, pure = out.note("rows"), out.note("row_stages"), out.note("row_pure")
     per_row = bool(config["per_row"]) and rows > 0
     suffix = "_at" if per_row else ""
