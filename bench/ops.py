@@ -234,6 +234,24 @@ CASES: dict[str, Case] = {
             group=32,
             description="MobileNetV2 first depthwise",
         ),
+        unary(
+            "softmax_channels",
+            "row_reduction",
+            "Softmax",
+            [1, 21, 56, 56],
+            {"axis": 1},
+            opset=13,
+            description="segmentation classes, axis 1",
+        ),
+        unary(
+            "maxpool_3x3s2",
+            "pooling",
+            "MaxPool",
+            [1, 64, 112, 112],
+            {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+            out_shape=_avgpool_out([1, 64, 112, 112], 3, 2, 1),
+            description="ResNet stem pool, plain NCHW",
+        ),
     ]
 }
 

@@ -45,7 +45,6 @@ from compiler_core.loop.ir import (
     Unary,
     Var,
 )
-from compiler_core.loop.simplify import affine
 from compiler_core.loop.transform import stmt_exprs, walk_exprs, walk_stmts
 from compiler_core.target import Target
 
@@ -135,6 +134,28 @@ def _suffix(ty: ir.Type) -> str:
     if isinstance(ty, ir.VectorType):
         return f"v{ty.count}{_suffix(ty.element)}"
     return {"half": "f16", "float": "f32", "double": "f64"}[str(ty)]
+
+
+def _lane_stride(e: Expr, var: str) -> int | None:
+    """c when `e` is `rest + c * var` with `rest` free of `var` (None otherwise). `rest` need
+    not be affine: a fused row index (`f // 197`) leaves a row's elements contiguous."""
+    if not any(isinstance(x, Var) and x.name == var for x in walk_exprs(e)):
+        return 0
+    if isinstance(e, Var):
+        return 1
+    if not isinstance(e, Binary) or e.dtype != INDEX:
+        return None
+    if e.op in ("add", "sub"):
+        a, b = _lane_stride(e.a, var), _lane_stride(e.b, var)
+        if a is None or b is None:
+            return None
+        return a + b if e.op == "add" else a - b
+    if e.op == "mul":
+        for scaled, factor in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(factor, Const):
+                stride = _lane_stride(scaled, var)
+                return None if stride is None else stride * int(factor.value)
+    return None
 
 
 @dataclasses.dataclass
@@ -313,8 +334,7 @@ class FunctionEmitter:
         element = memory_type(buffer.dtype)
         if scope.lanes == 1 or not self._depends_on(flat, scope.vector_var):
             return "scalar", b.gep(base, [self._expr(b, scope, flat)], source_etype=element)
-        form = affine(flat)
-        if form is not None and form[0].get(scope.vector_var) == 1:
+        if _lane_stride(flat, scope.vector_var) == 1:
             lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
             lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)
             start = self._expr(b, lane0, flat)
@@ -640,9 +660,11 @@ class FunctionEmitter:
         x = self._binary(b, "min", "float32", x, c(88.7))
         n = b.call(
             self._intrinsic("llvm.floor", x.type),
-            [b.fadd(b.fmul(x, c(1.4426950408889634)), c(0.5))],
+            [b.fadd(b.fmul(x, c(1.4426950408889634), flags=FAST_MATH), c(0.5), flags=FAST_MATH)],
         )
-        r = b.fsub(b.fsub(x, b.fmul(n, c(0.693359375))), b.fmul(n, c(-2.12194440e-4)))
+        # x - n ln2 in two parts (Cody-Waite), each an FMA
+        high = b.fsub(x, b.fmul(n, c(0.693359375), flags=FAST_MATH), flags=FAST_MATH)
+        r = b.fsub(high, b.fmul(n, c(-2.12194440e-4), flags=FAST_MATH), flags=FAST_MATH)
         poly = c(1.0 / 720)
         for coefficient in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
             poly = b.fadd(b.fmul(poly, r, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)

@@ -72,6 +72,18 @@ class KernelContext:
             self.inputs.append((value, tensor))
         return self.tensors[name]
 
+    def reshaped(self, value: str, shape: Sequence[int]) -> Tensor:
+        """A kernel input reading `value` in another shape of the same size (row-major, no
+        copy): a row reduction reads the trailing axes as one flat axis, so its index stays
+        affine in the vector lane."""
+        t = self.type(value)
+        name = f"{value}::reshape:{'x'.join(map(str, shape))}"
+        if name not in self.tensors:
+            tensor = placeholder(tuple(shape), t.dtype, f"in{len(self.inputs)}")
+            self.tensors[name] = tensor
+            self.inputs.append((value, tensor))
+        return self.tensors[name]
+
     def packed(self, source: str, label: str, array: np.ndarray) -> Tensor:
         """A kernel input holding `array`, a build-time transform of constant `source`."""
         name = f"{source}::{label}"

@@ -386,6 +386,7 @@ def _pool(kind: str) -> Builder:
         if kind == "max":
             peak = compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))
             if not any(node.outputs[1:]):
+                _note_plain_pool(ctx, peak, padded, x, strides)
                 return [peak]
             return [peak, _argmax_indices(ctx, node, x.shape, peak, padded, kernel)]
         if kind == "lp":
@@ -400,6 +401,7 @@ def _pool(kind: str) -> Builder:
                 compute(out.shape, lambda *i: Binary("pow", powered[i], root), ctx.stage_name(node))
             ]
         total = compute(out.shape, lambda *i: reduce_sum(window(*i), ks), ctx.stage_name(node))
+        _note_plain_pool(ctx, total, padded, x, strides)
         counts = _average_divisors(node, x.shape, out.shape, kernel, pads, strides, dilations)
         divisor = ctx.packed(node.outputs[0], "pool_divisor", counts.astype(np.float32))
         return [
@@ -411,6 +413,15 @@ def _pool(kind: str) -> Builder:
         ]
 
     return build
+
+
+def _note_plain_pool(ctx: KernelContext, pool: Tensor, padded: Tensor, x: Tensor, strides):
+    """Mark a 2-d pool over plain NCHW for `plain_pool_schedule` (the blocked NCHW[b]c layout
+    has its own): which stage pads its input, if any. Only with unit stride along the width,
+    where a row of window taps is one contiguous vector load (with stride 2 the lanes would be
+    gathered one by one: three times slower than scalar code)."""
+    if len(strides) == 2 and len(x.shape) == 4 and strides[1] == 1:
+        ctx.note(pool.name, pool="plain", padded="" if padded is x else padded.name)
 
 
 def _argmax_indices(ctx, node, in_shape, peak, padded, kernel) -> Tensor:

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
-from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
+from compiler_core.loop.ir import (
+    INDEX,
+    Binary,
+    Cast,
+    Const,
+    Expr,
+    Select,
+    Unary,
+    logical_and,
+    maximum,
+    minimum,
+)
 from compiler_core.te import (
+    Tensor,
     compute,
     reduce_axis,
     reduce_max,
@@ -22,16 +36,112 @@ from compiler_core.te import (
 def _reduction(ctx: KernelContext, node: Node, x_value: str, combiner, transform=None):
     """Reduce `x` over the node's axes: returns (tensor, count of reduced elements)."""
     x = ctx.tensor(x_value)
-    count = math.prod(x.shape[a] for a in reduce_axes(node, len(x.shape)))
+    axes = reduce_axes(node, len(x.shape))
+    count = math.prod(x.shape[a] for a in axes)
+    rows = _trailing_rows(ctx, x_value, x, axes)
+    kind = COMBINER_KINDS.get(combiner)
+    if rows is not None and kind is not None:
+        out = ctx.type(node.outputs[0])
+        rank = len(rows.shape)
+
+        def term(r, k):
+            return transform(rows.at(r, k)) if transform else rows.at(r, k)
+
+        def row_of(i):  # the output index's row part (keepdims leaves ones after it)
+            return i[:rank]
+
+        return row_reduce(ctx, node, out.shape, row_of, rows, kind, term), count
     return _reduction_of(ctx, node, x, combiner, transform), count
+
+
+# --- row reductions: vector partial results over a contiguous trailing extent ----------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """`x` read as rows of `n` contiguous elements: `at(r, k)` is element k of row r."""
+
+    shape: tuple[int, ...]  # the row dimensions
+    n: int
+    at: Callable[[tuple, Expr], Expr]
+
+
+def _trailing_rows(ctx: KernelContext, value: str, x, axes) -> Rows | None:
+    """`x` as rows when `axes` are its trailing axes, the element type has vector lanes, and
+    a row's elements are contiguous in the indices the kernel reads them at: one trailing
+    axis, or several of a kernel input (read through a view as one flat axis)."""
+    rank = len(x.shape)
+    first = rank - len(axes)
+    if list(axes) != list(range(first, rank)) or x.dtype != "float32":
+        return None
+    rows, n = tuple(x.shape[:first]), math.prod(x.shape[first:])
+    if n < ctx.target.vector_lanes:
+        return None
+    if len(axes) == 1:
+        return Rows(rows, n, lambda r, k: x[(*r, k)])
+    if not x.is_placeholder:  # computed in this kernel: a flat index would not stay affine
+        return None
+    flat = ctx.reshaped(value, (*rows, n))
+    return Rows(rows, n, lambda r, k: flat[(*r, k)])
+
+
+@dataclasses.dataclass(frozen=True)
+class CombinerKind:
+    reduce: Callable
+    pair: Callable[[Expr, Expr], Expr]
+    idempotent: bool  # an element counted twice changes nothing (max, min)
+
+
+COMBINER_KINDS = {
+    reduce_sum: CombinerKind(reduce_sum, lambda a, b: a + b, False),
+    reduce_max: CombinerKind(reduce_max, maximum, True),
+    reduce_min: CombinerKind(reduce_min, minimum, True),
+}
+
+
+def row_reduce(ctx, node, shape, row_of, rows: Rows, kind: CombinerKind, term) -> Tensor:
+    """`kind` over each row of term(r, k), k < rows.n, as a tensor of `shape` (row_of maps its
+    index to the row). Two stages: a partial result per vector lane over the row's whole
+    vectors (its schedule keeps the lanes in one register: `row_partial`), then the lanes
+    folded together with the remainder, read as the row's last vector (ending at n) with the
+    lanes the whole vectors already covered masked out (for sum; max and min take them
+    twice)."""
+    lanes = ctx.target.vector_lanes
+    whole, rest = divmod(rows.n, lanes)
+    ko = reduce_axis(whole, "rv")
+    partial = compute(
+        (*rows.shape, lanes),
+        lambda *i: kind.reduce(term(i[:-1], ko * Const(lanes, INDEX) + i[-1]), ko),
+        ctx.stage_name(node, "vec"),
+    )
+    ctx.note(partial.name, row_partial=True)
+    lane = reduce_axis(lanes, "rl")
+
+    def fold(*i):
+        r = tuple(row_of(i))
+        value = partial[(*r, lane)]
+        if rest:
+            last = term(r, Const(rows.n - lanes, INDEX) + lane)
+            if not kind.idempotent:
+                last = Select(lane >= Const(lanes - rest, INDEX), last, Const(0, last.dtype))
+            value = kind.pair(value, last)
+        return kind.reduce(value, lane)
+
+    folded = compute(shape, fold, ctx.stage_name(node))
+    ctx.note(folded.name, partial=partial.name, rows=len(rows.shape))
+    return folded
 
 
 def _simple(combiner, transform=None, finish=None) -> Builder:
     def build(ctx: KernelContext, node: Node):
         total, count = _reduction(ctx, node, node.inputs[0], combiner, transform)
-        if finish is None:
-            return [total]
-        return [compute(total.shape, lambda *i: finish(total[i], count), ctx.stage_name(node))]
+        out = total
+        if finish is not None:
+            out = compute(total.shape, lambda *i: finish(total[i], count), ctx.stage_name(node))
+        rows = ctx.notes.get(total.name, {}).get("rows")
+        if rows is not None:  # a row reduction: one parallel loop over rows does every stage
+            note_row_stages(ctx, out, rows, [total] if out is not total else [])
+        return [out]
 
     return build
 
@@ -76,7 +186,15 @@ def _reduction_of(ctx: KernelContext, node: Node, x, combiner, transform=None):
         value = x[tuple(index)]
         return combiner(transform(value) if transform else value, raxes)
 
-    return compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    reduced = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    _note_vector_inner(ctx, reduced, x, axes)
+    return reduced
+
+
+def _note_vector_inner(ctx: KernelContext, stage: Tensor, x: Tensor, axes) -> None:
+    """A reduction that keeps x's last (contiguous) axis: its schedule vectorizes along it."""
+    if len(x.shape) - 1 not in axes and x.dtype == "float32" and len(stage.shape) > 0:
+        ctx.note(stage.name, vector_inner=True)
 
 
 def _arg(kind: str) -> Builder:
@@ -132,11 +250,68 @@ KERNELS_REDUCE: dict[str, Builder] = {
 }
 
 
+def note_row_stages(ctx: KernelContext, out: Tensor, rows: int, stats: list[Tensor]) -> None:
+    """Tell the `row_reduction` schedule that `out`'s first `rows` loops walk rows, and which
+    stages (in order) it may compute one row at a time inside them: each row_reduce's partial
+    and fold, and pure row stages (`row_pure`: one row of values read twice). `out` may be a
+    row_reduce fold itself."""
+    names, partials, pure = [], [], []
+    for t in [*stats, out]:
+        partial = ctx.notes.get(t.name, {}).get("partial")
+        names += [partial] if partial else []
+        partials += [partial] if partial else []
+        if t is not out:
+            names.append(t.name)
+            pure += [] if partial else [t.name]
+    ctx.note(
+        out.name,
+        row_stages=tuple(names),
+        row_partials=tuple(partials),
+        row_pure=tuple(pure),
+        rows=rows,
+    )
+
+
+def _softmax_rows(ctx: KernelContext, node: Node, log: bool):
+    """Softmax over contiguous rows: the row's max and its sum of exp(x - max) from vector
+    partial results, then one vector pass writing the output, row by row."""
+    x = ctx.tensor(node.inputs[0])
+    rows = _trailing_rows(ctx, node.inputs[0], x, [len(x.shape) - 1])
+    if rows is None:
+        return None
+    rank = len(rows.shape)
+    peak = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_max], rows.at)
+
+    # exp(x - max) once per element: kept (one row at a time) for the sum and the output
+    shifted = compute(x.shape, lambda *i: Unary("exp", x[i] - peak[i[:rank]]), ctx.stage_name(node))
+    ctx.note(shifted.name, materialize=True)
+
+    def exp_shifted(r, k):
+        return shifted[(*r, k)]
+
+    total = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], exp_shifted)
+
+    def body(*i):
+        r = i[:rank]
+        if log:
+            return x[i] - peak[r] - Unary("log", total[r])
+        # times the reciprocal: one division per row, hoisted out of the row's loop
+        return shifted[i] * (Const(1.0, x.dtype) / total[r])
+
+    out = compute(x.shape, body, ctx.stage_name(node))
+    note_row_stages(ctx, out, rank, [peak, shifted, total])
+    return [out]
+
+
 def _softmax(log: bool) -> Builder:
     def build(ctx: KernelContext, node: Node):
         x = ctx.tensor(node.inputs[0])
         rank = len(x.shape)
         axis = node.attr("axis", -1) % rank
+        if axis == rank - 1:
+            fast = _softmax_rows(ctx, node, log)
+            if fast is not None:
+                return fast
         k = reduce_axis(x.shape[axis], "r")
 
         def along(i, j):
@@ -155,6 +330,8 @@ def _softmax(log: bool) -> Builder:
             lambda *i: reduce_sum(Unary("exp", x[along(i, k2)] - peak[i]), k2),
             ctx.stage_name(node),
         )
+        _note_vector_inner(ctx, peak, x, [axis])
+        _note_vector_inner(ctx, total, x, [axis])
 
         def body(*i):
             if log:
@@ -166,7 +343,46 @@ def _softmax(log: bool) -> Builder:
     return build
 
 
+def _layer_norm_rows(ctx: KernelContext, node: Node):
+    """Layer norm over contiguous rows: the row's mean, then its centered sum of squares (two
+    vector passes over a row still in L1), then one vector pass normalizing it."""
+    x = ctx.tensor(node.inputs[0])
+    rank = len(x.shape)
+    axis = node.attr("axis", -1) % rank
+    rows = _trailing_rows(ctx, node.inputs[0], x, list(range(axis, rank)))
+    if rows is None or axis == 0 or len(node.outputs) > 1 and any(node.outputs[1:]):
+        return None
+    inverse_count = Const(1.0 / rows.n, x.dtype)
+    eps = Const(node.attr("epsilon", 1e-5), x.dtype)
+    total = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], rows.at)
+
+    def centered_square(r, k):
+        d = rows.at(r, k) - total[r] * inverse_count
+        return d * d
+
+    squares = row_reduce(
+        ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], centered_square
+    )
+    scale = ctx.tensor(node.inputs[1])
+    bias = ctx.tensor(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+
+    def body(*i):
+        outer, rest = i[:axis], i[axis:]
+        mean = total[outer] * inverse_count
+        # times 1/std: one division and root per row, hoisted out of the row's loop
+        inverse_std = Const(1.0, x.dtype) / Unary("sqrt", squares[outer] * inverse_count + eps)
+        scaled = (x[i] - mean) * inverse_std * scale[_param_index(scale, rest)]
+        return scaled + bias[_param_index(bias, rest)] if bias is not None else scaled
+
+    out = compute(x.shape, body, ctx.stage_name(node))
+    note_row_stages(ctx, out, axis, [total, squares])
+    return [out]
+
+
 def _layer_norm(ctx: KernelContext, node: Node):
+    fast = _layer_norm_rows(ctx, node)
+    if fast is not None:
+        return fast
     x = ctx.tensor(node.inputs[0])
     rank = len(x.shape)
     axis = node.attr("axis", -1) % rank
@@ -426,6 +642,51 @@ def _group_norm(ctx: KernelContext, node: Node):
     def member(g, rc, rs):
         return x[(g[0], g[1] * Const(per_group, INDEX) + rc, *rs)]
 
+    stats = _group_norm_stats(ctx, node, x, groups, inverse_count)
+    if stats is not None:
+        total, spread = stats
+    else:
+        total, spread = _group_norm_scalar_stats(ctx, node, x, groups, member, inverse_count)
+    by_group = scale.shape[0] != channels  # opset 18: one scale and bias per group
+
+    def body(b, c, *s):
+        g = Binary("floordiv", c, Const(per_group, INDEX))
+        mean = total[(b, g)] * inverse_count
+        inverse_std = Const(1.0, x.dtype) / Unary("sqrt", spread[(b, g)] * inverse_count + eps)
+        k = (g,) if by_group else (c,)
+        return (x[(b, c, *s)] - mean) * inverse_std * scale[k] + bias[k]
+
+    out = compute(x.shape, body, ctx.stage_name(node))
+    if stats is not None and spatial:
+        # rows are (batch, group): out's channel loop walks them in blocks of per_group
+        note_row_stages(ctx, out, 2, [total, spread])
+        ctx.note(out.name, row_split=(1, per_group))
+    return [out]
+
+
+def _group_norm_stats(ctx: KernelContext, node: Node, x, groups: int, inverse_count):
+    """Each group's sum and centered sum of squares as row reductions over the group's
+    contiguous channels x spatial elements (x read as [n, groups, elements])."""
+    n = x.shape[0]
+    length = math.prod(x.shape[1:]) // groups
+    if x.dtype != "float32" or length < ctx.target.vector_lanes:
+        return None
+    flat = ctx.reshaped(node.inputs[0], (n, groups, length))
+    rows = Rows((n, groups), length, lambda r, k: flat[(*r, k)])
+    total = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_sum], rows.at)
+
+    def centered_square(r, k):
+        d = rows.at(r, k) - total[r] * inverse_count
+        return d * d
+
+    kind = COMBINER_KINDS[reduce_sum]
+    return total, row_reduce(ctx, node, rows.shape, tuple, rows, kind, centered_square)
+
+
+def _group_norm_scalar_stats(ctx, node, x, groups, member, inverse_count):
+    n = x.shape[0]
+    per_group = x.shape[1] // groups
+    spatial = x.shape[2:]
     rc = reduce_axis(per_group, "rc")
     rs = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
     total = compute(
@@ -440,17 +701,7 @@ def _group_norm(ctx: KernelContext, node: Node):
         d = member((b, g), rc2, rs2) - total[(b, g)] * inverse_count
         return reduce_sum(d * d, [rc2, *rs2])
 
-    spread = compute((n, groups), squares, ctx.stage_name(node))
-    by_group = scale.shape[0] != channels  # opset 18: one scale and bias per group
-
-    def body(b, c, *s):
-        g = Binary("floordiv", c, Const(per_group, INDEX))
-        mean = total[(b, g)] * inverse_count
-        std = Unary("sqrt", spread[(b, g)] * inverse_count + eps)
-        k = (g,) if by_group else (c,)
-        return (x[(b, c, *s)] - mean) / std * scale[k] + bias[k]
-
-    return [compute(x.shape, body, ctx.stage_name(node))]
+    return total, compute((n, groups), squares, ctx.stage_name(node))
 
 
 KERNELS["GroupNormalization"] = _group_norm

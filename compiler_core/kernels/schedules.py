@@ -14,7 +14,9 @@ import math
 from collections.abc import Callable, Mapping
 
 from compiler_core.schedule.primitives import (
+    MAX_VECTOR_LANES,
     CacheWrite,
+    ComputeAt,
     ComputeInline,
     Fuse,
     Parallel,
@@ -22,6 +24,7 @@ from compiler_core.schedule.primitives import (
     Reorder,
     ReverseComputeInline,
     Split,
+    SplitOverlap,
     Unroll,
     Vectorize,
 )
@@ -291,6 +294,133 @@ def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) ->
     return int(config["mr"]) * vectors + vectors <= target.vector_registers
 
 
+def row_partial_schedule(name: str, rows: int, suffix: str = "") -> list[Record]:
+    """A row_reduce partial stage (`name`: rows x lanes, reduced over the row's whole vectors):
+    the vector loop outside the lane loop, the lanes accumulated in one register (a local
+    tile), and every access a vector. `suffix`: `_at` once it is computed inside a row."""
+    lane, whole = f"{name}_i{rows}{suffix}", f"{name}_rv"
+    return [
+        Reorder((whole, lane)),
+        CacheWrite(name, whole),
+        Vectorize(lane),
+        Vectorize(f"{name}_init{rows}"),
+        Vectorize(f"{name}_wb{rows}"),
+    ]
+
+
+def _vector_rows(loop: str, extent: int, target: Target) -> list[Record]:
+    """Vectorize a pure stage's innermost loop: whole vectors, then one last vector ending at
+    the loop's end when the extent is not a multiple of the lanes."""
+    lanes = target.vector_lanes
+    if extent < lanes:
+        return []
+    if extent % lanes == 0:
+        return [Split(loop, lanes), Vectorize(f"{loop}_i")]
+    return [SplitOverlap(loop, lanes), Vectorize(f"{loop}_i"), Vectorize(f"{loop}_t")]
+
+
+def row_schedule(
+    out: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
+) -> list[Record]:
+    """A row-wise kernel (softmax, layer norm): `out`'s first `rows` loops walk rows and its
+    statistics (max, sums: row_reduce stages) are read per row. With `per_row`, they are
+    computed inside the row loop, so the row is still in L1 when `out` reads it again; the
+    row loops fuse into one parallel loop; the row's elements are vectors. A `row_split`
+    note (k, factor) says out's loop k walks rows in blocks of `factor` (group norm: a group
+    of channels). Knobs: per_row."""
+    rows, stats, pure = out.note("rows"), out.note("row_stages"), out.note("row_pure")
+    per_row = bool(config["per_row"]) and rows > 0
+    suffix = "_at" if per_row else ""
+    records: list[Record] = []
+    row_loops = [out.loop(k) for k in range(rows)]
+    if out.note("row_split") and per_row:
+        # rows in blocks of out's loop (a group norm's group is `factor` channels)
+        k, factor = out.note("row_split")
+        records.append(Split(out.loop(k), factor))
+        row_loops = [*row_loops[:k], f"{out.loop(k)}_o"]
+    if per_row:
+        records += [ComputeAt(name, row_loops[-1]) for name in reversed(stats)]
+    for name in out.note("row_partials"):
+        records += row_partial_schedule(name, rows, suffix)
+    for name in pure:
+        records += _vector_rows(f"{name}_i{len(out.shape) - 1}{suffix}", out.shape[-1], target)
+    if not per_row and rows > 0:
+        records += [Parallel(f"{name}_i0") for name in stats]
+    if len(out.shape) > rows and not out.reduce_axes:
+        records += _vector_rows(out.loop(len(out.shape) - 1), out.shape[-1], target)
+    parallel = row_loops[0] if row_loops else None
+    for loop in row_loops[1:]:
+        records.append(Fuse(parallel, loop))
+        parallel = f"{parallel}_{loop}_f"
+    return records + ([Parallel(parallel)] if parallel else [])
+
+
+def plain_pool_schedule(
+    pool: StageInfo, epilogue: StageInfo | None, target: Target
+) -> list[Record]:
+    """2-d pooling over plain NCHW: a register tile of output pixels along the width (a whole
+    output row when it fits) takes every tap of the window as one vector operation, and the
+    epilogue (AveragePool's divide) runs on it before the single store; the padded copy of
+    the input is made one channel plane at a time, while it stays in L1; parallel over
+    channels."""
+    n, c, y, x = (pool.loop(k) for k in range(4))
+    width = pool.shape[3]
+    taps = [name for name, _ in pool.reduce_axes]
+    tile = _output_row_tile(width, target)
+    records: list[Record] = []
+    if pool.note("padded"):
+        records.append(ComputeAt(pool.note("padded"), c))
+    inner = x
+    if tile < width:
+        records.append(Split(x, tile))
+        inner = f"{x}_i"
+    records += [Reorder((*taps, inner)), CacheWrite(pool.name, taps[0])]
+    if tile > 1:
+        records += [Vectorize(inner), *_vector_tile_io(pool)]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    return [*records, Parallel(c)]
+
+
+def _output_row_tile(width: int, target: Target) -> int:
+    """Output elements along a row held as accumulators over a whole reduction: the whole row
+    when it fits the registers (a vector of any length: LLVM splits it into registers and one
+    shorter piece), else its largest divisor that does."""
+    most = min(MAX_VECTOR_LANES, max_accumulators(target) * target.vector_lanes)
+    return _largest_divisor(width, tuple(range(min(width, most), 1, -1)))
+
+
+def inner_vector_reduction_schedule(
+    stage: StageInfo, epilogue: StageInfo | None, target: Target
+) -> list[Record]:
+    """A reduction that keeps the contiguous last axis (softmax or a reduce over channels):
+    a tile of the output row accumulates in registers over the whole reduction, one vector
+    operation per reduced element; the epilogue runs on it before the single store."""
+    rank = len(stage.shape)
+    x = stage.loop(rank - 1)
+    reduce_loops = [name for name, _ in stage.reduce_axes]
+    tile = _output_row_tile(stage.shape[-1], target)
+    inner = x
+    records: list[Record] = []
+    if tile < stage.shape[-1]:
+        records.append(Split(x, tile))
+        inner = f"{x}_i"
+    records += [Reorder((*reduce_loops, inner)), CacheWrite(stage.name, reduce_loops[0])]
+    records += [Vectorize(inner), *_vector_tile_io(stage)]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    outer = next((k for k in range(rank - 1) if stage.shape[k] > 1), None)
+    if outer is not None:
+        records.append(Parallel(stage.loop(outer)))
+    elif inner != x:
+        records.append(Parallel(f"{x}_o"))
+    return records
+
+
+def _row_knobs(out: StageInfo, target: Target) -> tuple[Knob, ...]:
+    return (Knob("per_row", (0, 1), 1),)
+
+
 # --- templates: the default schedules with their knobs --------------------------------------
 
 
@@ -319,6 +449,7 @@ class Template:
 TEMPLATES: dict[str, Template] = {
     "conv2d_nchwc": Template("conv2d_nchwc", 1, _nchwc_knobs, nchwc_conv_schedule),
     "dense": Template("dense", 1, _matmul_knobs, matmul_schedule, _matmul_fits),
+    "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
 }
 
 
@@ -361,15 +492,15 @@ class Tunable:
 
 
 def generic_schedule(stage: StageInfo, target: Target) -> list[Record]:
-    """Parallel outermost loop with work; vectorize the innermost loop of a pure stage."""
+    """Parallel outermost loop with work; vectorize the innermost loop of a pure stage (a
+    remainder is one more vector ending at the loop's end)."""
     records: list[Record] = []
     rank = len(stage.shape)
     if rank == 0:
         return records
     inner = rank - 1
-    lanes = target.vector_lanes
-    if stage.pure and stage.shape[inner] % lanes == 0:
-        records += [Split(stage.loop(inner), lanes), Vectorize(f"{stage.loop(inner)}_i")]
+    if stage.pure and stage.name not in stage.reads:
+        records += _vector_rows(stage.loop(inner), stage.shape[inner], target)
     outer = next((k for k in range(rank) if stage.shape[k] > 1), None)
     if outer is not None and not (stage.pure and outer == inner and records):
         records.append(Parallel(stage.loop(outer)))
@@ -390,9 +521,18 @@ def _prepared(stages: list[StageInfo]):
     return stages, records, kept, inlined, anchor
 
 
+def _row_anchor(kept: list[StageInfo]) -> StageInfo | None:
+    """The output stage of a row-wise kernel (noted by its builder), if the group has one."""
+    return next((s for s in kept if s.note("row_stages") and s.output), None)
+
+
 def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
     """The group's tunable stage, if its anchor has a template."""
     stages, _, kept, inlined, anchor = _prepared(stages)
+    row = _row_anchor(kept)
+    if anchor is None and row is not None:
+        template = TEMPLATES["row_reduction"]
+        return Tunable(template, row, None, template.knobs(row, target), target)
     if anchor is None:
         return None
     layout = anchor.note("layout")
@@ -416,7 +556,7 @@ def schedule_for(
     tunable = tunable_of(stages, target)
     if tunable is not None:
         records += tunable.records(config)
-        handled.add(anchor.name)
+        handled.add(tunable.anchor.name)
     elif anchor is not None:
         epilogue = _epilogue_of(anchor, kept, inlined, stages)
         layout = anchor.note("layout")
@@ -428,10 +568,37 @@ def schedule_for(
                 handled.add(epilogue.name)
     if tunable is not None and tunable.epilogue is not None:
         handled.add(tunable.epilogue.name)
+    if tunable is not None and tunable.template.name == "row_reduction":
+        handled.update(tunable.anchor.note("row_stages"))
     for stage in kept:
-        if stage.name not in handled:
+        if stage.name in handled:
+            continue
+        epilogue = _epilogue_of(stage, kept, inlined, stages)
+        if epilogue is not None and set(epilogue.reads) != {stage.name}:
+            epilogue = None  # it also reads another stage: not a single-store epilogue
+        if stage.note("pool") == "plain":
+            records += plain_pool_schedule(stage, epilogue, target)
+            handled |= {stage.name, stage.note("padded")}
+        elif stage.note("vector_inner") and stage.shape[-1] > 1:
+            records += inner_vector_reduction_schedule(stage, epilogue, target)
+            handled.add(stage.name)
+        else:
+            continue
+        handled |= {epilogue.name} if epilogue is not None else set()
+    for stage in kept:
+        if stage.name in handled:
+            continue
+        if stage.note("row_partial"):
+            records += row_partial_schedule(stage.name, len(stage.shape) - 1)
+            records += _parallel_rows(stage, len(stage.shape) - 1)
+        else:
             records += generic_schedule(stage, target)
     return records
+
+
+def _parallel_rows(stage: StageInfo, rows: int) -> list[Record]:
+    outer = next((k for k in range(rows) if stage.shape[k] > 1), None)
+    return [] if outer is None else [Parallel(stage.loop(outer))]
 
 
 def default_schedule(stages: list[StageInfo], target: Target) -> list[Record]:

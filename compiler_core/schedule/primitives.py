@@ -55,6 +55,17 @@ class Split:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitOverlap:
+    """Split `loop` into `loop_o` x `loop_i` over its whole `factor`-sized chunks, and cover
+    the remainder with one more chunk, `loop_t`, that ends at the loop's end (it overlaps the
+    last whole chunk): a row of 197 is 24 vectors and a vector at 189, not a scalar tail.
+    Overlapped iterations run twice, so the loop's stores must not read what they write."""
+
+    loop: str
+    factor: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Reorder:
     loops: tuple[str, ...]
 
@@ -110,6 +121,7 @@ class CacheWrite:
 
 Record = (
     Split
+    | SplitOverlap
     | Reorder
     | Fuse
     | Vectorize
@@ -124,6 +136,7 @@ RECORD_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Split,
+        SplitOverlap,
         Reorder,
         Fuse,
         Vectorize,
@@ -137,6 +150,9 @@ RECORD_TYPES: dict[str, type] = {
 }
 MAX_VECTOR_LANES = 64
 MAX_UNROLL = 256
+# ComputeAt shrinks a workspace stage to the region one iteration computes, on the stack of
+# the loop's thread, when that region is at most this big (L1-sized).
+MAX_LOCAL_BYTES = 32 * 1024
 
 
 def to_json(schedule: Sequence[Record]) -> str:
@@ -223,6 +239,28 @@ def split(func: PrimFunc, r: Split) -> PrimFunc:
         body = IfThenElse(Binary("lt", index, Const(loop.extent, INDEX)), body)
     outer_extent = -(-loop.extent // r.factor)
     new = For(outer, outer_extent, For(inner, r.factor, body), loop.kind)
+    return _with_body(func, replace_stmt(func.body, loop, new))
+
+
+def split_overlap(func: PrimFunc, r: SplitOverlap) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    if not 1 <= r.factor <= loop.extent:
+        raise ScheduleError(f"{r}: factor must be in 1..{loop.extent}")
+    stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store)]
+    written = {s.buffer for s in stores}
+    reads = {x.buffer for s in stores for x in walk_exprs(s.value) if isinstance(x, Load)}
+    if reads & written:
+        raise ScheduleError(f"{r}: a store reads what the loop writes; overlap would repeat it")
+    outer = _fresh_loop_name(func, f"{r.loop}_o", r)
+    inner = _fresh_loop_name(func, f"{r.loop}_i", r)
+    tail = _fresh_loop_name(func, f"{r.loop}_t", r)
+    whole = loop.extent // r.factor
+    index = Binary("add", Binary("mul", outer, Const(r.factor, INDEX)), inner)
+    new: Stmt = For(outer, whole, For(inner, r.factor, substitute(loop.body, {r.loop: index})))
+    if loop.extent % r.factor:
+        start = Const(loop.extent - r.factor, INDEX)
+        rest = For(tail, r.factor, substitute(loop.body, {r.loop: Binary("add", start, tail)}))
+        new = seq(new, rest)
     return _with_body(func, replace_stmt(func.body, loop, new))
 
 
@@ -480,10 +518,49 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
         body = IfThenElse(guard, body)
     for local, extent in reversed(loops):
         body = For(local, extent, body)
-    moved = dataclasses.replace(target, body=seq(body, target.body))
+    inside = seq(body, target.body)
+    local = Buffer(buffer.name, tuple(extents), buffer.dtype, "local")
+    if buffer.scope == "workspace" and local.nbytes <= MAX_LOCAL_BYTES:
+        inside = _shrunk(func.body, nest, target, buffer, local, starts, inside)
+    moved = dataclasses.replace(target, body=inside)
     new_body = replace_stmt(func.body, target, moved)
     new_body = replace_stmt(new_body, nest, Block(()))
+    if isinstance(inside, Allocate) and inside.buffer == local:
+        new_body = _remove_allocation(new_body, buffer)
     return _with_body(func, new_body)
+
+
+def _accesses(stmt: Stmt, buffer: Buffer) -> int:
+    count = 0
+    for s in walk_stmts(stmt):
+        count += isinstance(s, Store) and s.buffer == buffer
+        for e in stmt_exprs(s):
+            count += sum(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(e))
+    return count
+
+
+def _shrunk(root: Stmt, nest: For, target: For, buffer: Buffer, local: Buffer, starts, inside):
+    """`inside` with `buffer` replaced by `local`, a buffer of just the region one iteration of
+    `target` computes (a row of softmax's exp values, a padded channel plane), allocated in
+    the loop: what is written and read back stays in L1 (or registers) instead of streaming
+    through a whole workspace buffer. Unchanged when the buffer is read outside the loop."""
+    if _accesses(root, buffer) != _accesses(nest, buffer) + _accesses(target, buffer):
+        return inside
+
+    def offset(indices):
+        return tuple(Binary("sub", i, start) for i, start in zip(indices, starts, strict=True))
+
+    def load(e: Expr):
+        if isinstance(e, Load) and e.buffer == buffer:
+            return Load(local, offset(e.indices))
+        return None
+
+    def store(st: Stmt):
+        if isinstance(st, Store) and st.buffer == buffer:
+            return Store(local, offset(st.indices), st.value)  # its value is already mapped
+        return None
+
+    return Allocate(local, map_stmt(inside, load, store))
 
 
 def _without_reduction_init(loop: For, buffer: Buffer, inside: set[str], record):
@@ -585,6 +662,7 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
 
 PRIMITIVES = {
     Split: split,
+    SplitOverlap: split_overlap,
     Reorder: reorder,
     Fuse: fuse,
     Vectorize: vectorize,

@@ -16,6 +16,7 @@ from compiler_core.loop.ir import (
     IfThenElse,
     Load,
     PrimFunc,
+    Select,
     Stmt,
     Store,
     Var,
@@ -25,6 +26,7 @@ from compiler_core.loop.transform import map_expr
 from compiler_core.te.tensor import Reduction, Tensor, TensorRead
 
 COMBINERS = {"sum": "add", "prod": "mul", "max": "max", "min": "min"}
+FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def _reads(expr: Expr) -> list[Tensor]:
@@ -73,6 +75,16 @@ def _nest(loops: Sequence[tuple[Var, int]], body: Stmt) -> Stmt:
     return body
 
 
+def _combine(combiner: str, acc: Expr, value: Expr) -> Expr:
+    """The reduction step. A float max (min) is `value > acc ? value : acc`: the same result
+    as max(acc, value) (NaN values are skipped; acc, starting at -inf, is never NaN), and one
+    vmaxps on x86 instead of maxnum's three-instruction NaN check in the loop's dependency
+    chain."""
+    if combiner in ("max", "min") and value.dtype in FLOATS:
+        return Select(Binary("gt" if combiner == "max" else "lt", value, acc), value, acc)
+    return Binary(COMBINERS[combiner], acc, value)
+
+
 def stage_nest(t: Tensor, buffers: dict[int, Buffer]) -> Stmt:
     op = t.op
     buf = buffers[id(t)]
@@ -89,7 +101,7 @@ def stage_nest(t: Tensor, buffers: dict[int, Buffer]) -> Stmt:
     source = map_expr(
         reduction.source, lambda e: renamed.get(e.name) if isinstance(e, Var) else None
     )
-    update = Binary(COMBINERS[reduction.combiner], Load(buf, op.axes), _to_loads(source, buffers))
+    update = _combine(reduction.combiner, Load(buf, op.axes), _to_loads(source, buffers))
     # The initial value is stored on the first reduction step, inside the nest: the nest stays
     # perfect, so any loop order is legal (every element still sees its first step first).
     first = None

@@ -190,3 +190,14 @@ def _random_schedule(rng: random.Random):
 def test_random_legal_schedules(seed):
     rng = random.Random(seed)
     assert_schedule_keeps_meaning(_random_schedule(rng))
+
+
+def test_compute_at_shrinks_a_stage_read_only_inside_the_loop():
+    """e (read only by d) computed per row of d lives in a one-row local buffer; so does c,
+    computed in the same loop once e is there."""
+    from compiler_core.loop.ir import Allocate
+
+    func = assert_schedule_keeps_meaning([ComputeAt("e", "d_i0"), ComputeAt("c", "d_i0")])
+    allocated = {s.buffer.name: s.buffer for s in walk_stmts(func.body) if isinstance(s, Allocate)}
+    assert allocated["e"].scope == "local" and allocated["e"].shape == (1, N)
+    assert allocated["c"].scope == "local" and allocated["c"].shape == (1, N)
