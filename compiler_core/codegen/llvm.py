@@ -8,7 +8,8 @@ The renderer follows the loop kinds the schedule chose and decides nothing itsel
   index moves by one per lane becomes a vector load/store, one that does not move becomes a
   scalar broadcast, anything else is assembled lane by lane;
 - a parallel loop is outlined into a worker that OpenMP's runtime (`GOMP_parallel`) runs on
-  its thread pool, each thread taking one contiguous chunk;
+  its thread pool; the threads take contiguous chunks (a few per thread) from a shared atomic
+  counter, so a thread the OS preempts on a busy machine holds up one chunk, not half the loop;
 - local buffers are stack arrays (LLVM promotes fully unrolled tiles to registers), workspace
   buffers are heap blocks.
 
@@ -47,6 +48,10 @@ from compiler_core.loop.ir import (
 )
 from compiler_core.loop.transform import stmt_exprs, walk_exprs, walk_stmts
 from compiler_core.target import Target
+
+# Chunks per thread of a parallel loop: enough that a preempted thread's share is small and
+# the others take it over, few enough that each chunk is long next to one atomic add.
+CHUNKS_PER_THREAD = 4
 
 
 class CodegenError(ValueError):
@@ -716,8 +721,10 @@ class FunctionEmitter:
             }
         )
         buffers = [buf for buf in scope.buffers if self._uses_buffer(loop.body, buf)]
-        fields = [PTR] * len(buffers) + [I64] * len(free_vars)
-        closure_type = ir.LiteralStructType(fields or [I64])
+        # The last field is the next unclaimed iteration, shared by the threads.
+        fields = [PTR] * len(buffers) + [I64] * len(free_vars) + [I64]
+        closure_type = ir.LiteralStructType(fields)
+        counter_field = I32(len(fields) - 1)
 
         self._worker_count += 1
         worker = ir.Function(
@@ -736,15 +743,25 @@ class FunctionEmitter:
         for j, name in enumerate(free_vars):
             slot = wb.gep(data, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
             values[name] = wb.load(slot, typ=I64)
-        thread = wb.sext(wb.call(self._declare("omp_get_thread_num", I32, []), []), I64)
         threads = wb.sext(wb.call(self._declare("omp_get_num_threads", I32, []), []), I64)
-        chunk = wb.sdiv(wb.add(I64(loop.extent - 1), threads), threads)
-        start = wb.mul(thread, chunk)
+        slots = wb.mul(threads, I64(CHUNKS_PER_THREAD))
+        chunk = wb.sdiv(wb.add(I64(loop.extent - 1), slots), slots)
+        counter = wb.gep(data, [I32(0), counter_field], source_etype=closure_type)
+        claim = worker.append_basic_block("claim")
+        work = worker.append_basic_block("work")
+        done = worker.append_basic_block("done")
+        wb.branch(claim)
+        wb.position_at_end(claim)
+        start = wb.atomic_rmw("add", counter, chunk, "monotonic")
+        wb.cbranch(wb.icmp_signed("<", start, I64(loop.extent)), work, done)
+        wb.position_at_end(work)
         stop = wb.add(start, chunk)
         stop = wb.select(wb.icmp_signed("<", stop, I64(loop.extent)), stop, I64(loop.extent))
         inner_scope = _Scope(values, worker_buffers)
         serial = dataclasses.replace(loop, kind=ForKind.SERIAL)
         self._counted_loop(wb, inner_scope, serial, start, stop)
+        wb.branch(claim)
+        wb.position_at_end(done)
         wb.ret_void()
         self.entry_builder.branch(self._worker_start)
         self.entry_builder = saved_entry
@@ -756,6 +773,7 @@ class FunctionEmitter:
         for j, name in enumerate(free_vars):
             slot = b.gep(closure, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
             b.store(scope.values[name], slot)
+        b.store(I64(0), b.gep(closure, [I32(0), counter_field], source_etype=closure_type))
         gomp = self._declare("GOMP_parallel", ir.VoidType(), [PTR, PTR, I32, I32])
         b.call(gomp, [worker, closure, I32(0), I32(0)])
 
