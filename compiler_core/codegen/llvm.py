@@ -45,7 +45,6 @@ from compiler_core.loop.ir import (
     Unary,
     Var,
 )
-from compiler_core.loop.simplify import affine
 from compiler_core.loop.transform import stmt_exprs, walk_exprs, walk_stmts
 from compiler_core.target import Target
 
@@ -137,12 +136,37 @@ def _suffix(ty: ir.Type) -> str:
     return {"half": "f16", "float": "f32", "double": "f64"}[str(ty)]
 
 
+# Element types a masked vector load or store can move (llvm.masked.* on float vectors).
+MASKABLE = ("float16", "float32", "float64")
+
+
+def _lane_stride(e: Expr, var: str) -> int | None:
+    """c when `e` is c * var plus terms that do not depend on var (those may be anything:
+    a fused loop's floordiv and mod, say), else None."""
+    if not any(isinstance(x, Var) and x.name == var for x in walk_exprs(e)):
+        return 0
+    if isinstance(e, Var):
+        return 1
+    if isinstance(e, Binary) and e.op in ("add", "sub"):
+        a, b = _lane_stride(e.a, var), _lane_stride(e.b, var)
+        if a is None or b is None:
+            return None
+        return a + b if e.op == "add" else a - b
+    if isinstance(e, Binary) and e.op == "mul":
+        for side, other in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(other, Const) and other.dtype == INDEX:
+                inner = _lane_stride(side, var)
+                return None if inner is None else inner * int(other.value)
+    return None
+
+
 @dataclasses.dataclass
 class _Scope:
     values: dict[str, ir.Value]  # loop variables (i64 or <L x i64>)
     buffers: dict[Buffer, ir.Value]  # base pointers
     lanes: int = 1
     vector_var: str | None = None
+    mask: ir.Value | None = None  # lanes a lane-dependent guard lets through (<L x i1>)
 
 
 class FunctionEmitter:
@@ -248,7 +272,33 @@ class FunctionEmitter:
 
     def _vectorizable(self, loop: For) -> bool:
         for s in walk_stmts(loop.body):
-            if isinstance(s, IfThenElse) and self._depends_on(s.cond, loop.var.name):
+            if (
+                isinstance(s, IfThenElse)
+                and self._depends_on(s.cond, loop.var.name)
+                and not self._maskable(s, loop.var.name)
+            ):
+                return False
+        return True
+
+    def _maskable(self, s: IfThenElse, var: str) -> bool:
+        """A lane-dependent guard around one store that, like every load it makes, touches
+        consecutive floats: it becomes a masked store (and masked loads), as the partial last
+        tile of a GEMM's writeback needs, instead of a loop over the lanes."""
+        if s.otherwise is not None or not isinstance(s.then, Store):
+            return False
+        if any(isinstance(x, Load) for x in walk_exprs(s.cond)):
+            return False
+        store = s.then
+        if _lane_stride(self._flat_index(store.buffer, store.indices), var) != 1:
+            return False
+        accesses = [(store.buffer, store.indices)] + [
+            (x.buffer, x.indices) for x in walk_exprs(store.value) if isinstance(x, Load)
+        ]
+        for buffer, indices in accesses:
+            flat = self._flat_index(buffer, indices)
+            if self._depends_on(flat, var) and (
+                _lane_stride(flat, var) != 1 or buffer.dtype not in MASKABLE
+            ):
                 return False
         return True
 
@@ -259,7 +309,12 @@ class FunctionEmitter:
     def _if(self, b: ir.IRBuilder, scope: _Scope, s: IfThenElse) -> None:
         cond = self._expr(b, scope, s.cond)
         if isinstance(cond.type, ir.VectorType):
-            raise CodegenError("a lane-dependent condition reached the vector emitter")
+            if not self._maskable(s, scope.vector_var):
+                raise CodegenError("a lane-dependent condition reached the vector emitter")
+            if scope.mask is not None:
+                cond = b.and_(cond, scope.mask)
+            self._store(b, dataclasses.replace(scope, mask=cond), s.then)
+            return
         if s.otherwise is None:
             with b.if_then(cond):
                 self._stmt(b, scope, s.then)
@@ -313,8 +368,7 @@ class FunctionEmitter:
         element = memory_type(buffer.dtype)
         if scope.lanes == 1 or not self._depends_on(flat, scope.vector_var):
             return "scalar", b.gep(base, [self._expr(b, scope, flat)], source_etype=element)
-        form = affine(flat)
-        if form is not None and form[0].get(scope.vector_var) == 1:
+        if _lane_stride(flat, scope.vector_var) == 1:
             lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
             lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)
             start = self._expr(b, lane0, flat)
@@ -337,6 +391,16 @@ class FunctionEmitter:
             value = self._from_memory(b, b.load(where, typ=element), e.dtype)
             return self._splat(b, value, scope.lanes) if scope.lanes > 1 else value
         vector_type = ir.VectorType(element, scope.lanes)
+        if kind == "contiguous" and scope.mask is not None and e.buffer.scope != "local":
+            masked_load = self._declare(
+                f"llvm.masked.load.{_suffix(vector_type)}.p0",
+                vector_type,
+                [PTR, I32, scope.mask.type, vector_type],
+            )
+            zero = ir.Constant(vector_type, None)
+            align = I32(_align(e.buffer.dtype))
+            loaded = b.call(masked_load, [where, align, scope.mask, zero])
+            return self._from_memory(b, loaded, e.dtype)
         if kind == "contiguous":
             loaded = b.load(where, typ=vector_type, align=_align(e.buffer.dtype))
             return self._from_memory(b, loaded, e.dtype)
@@ -357,6 +421,14 @@ class FunctionEmitter:
         elif kind == "contiguous":
             if not vector:
                 value = self._splat(b, value, scope.lanes)
+            if scope.mask is not None:
+                masked_store = self._declare(
+                    f"llvm.masked.store.{_suffix(value.type)}.p0",
+                    ir.VoidType(),
+                    [value.type, PTR, I32, scope.mask.type],
+                )
+                b.call(masked_store, [value, where, I32(_align(s.buffer.dtype)), scope.mask])
+                return
             b.store(value, where, align=_align(s.buffer.dtype))
         else:
             for lane, pointer in enumerate(where):
