@@ -313,7 +313,15 @@ class FunctionEmitter:
                 raise CodegenError("a lane-dependent condition reached the vector emitter")
             if scope.mask is not None:
                 cond = b.and_(cond, scope.mask)
-            self._store(b, dataclasses.replace(scope, mask=cond), s.then)
+            # Masked stores are slow on some CPUs (AMD's vmaskmovps): when every lane passes
+            # (all but the last tile of a padded GEMM), store plainly.
+            bits = ir.IntType(scope.lanes)
+            every = b.icmp_unsigned("==", b.bitcast(cond, bits), ir.Constant(bits, -1))
+            with b.if_else(every) as (whole, partial):
+                with whole:
+                    self._store(b, dataclasses.replace(scope, mask=None), s.then)
+                with partial:
+                    self._store(b, dataclasses.replace(scope, mask=cond), s.then)
             return
         if s.otherwise is None:
             with b.if_then(cond):

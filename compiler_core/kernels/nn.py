@@ -8,6 +8,7 @@ its own stage, so the inner loops of a convolution never test bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import string
@@ -231,17 +232,29 @@ def _runtime_panels(ctx: KernelContext, node: Node, b: Tensor, transpose: bool) 
     return compute(shape, body, ctx.stage_name(node, "pack"), b.dtype), width
 
 
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """The stage packing an activation B into panels, and whether packing is the default."""
+
+    stage: str
+    default: bool
+
+
 def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale: float = 1.0):
-    """B of a GEMM as (read(batch, kk, j), panel width, pack stage name or None): a constant 2-D
-    B is packed at build time, any other B by a stage of the kernel (`materialize` keeps it a
-    stage of its own; the dense template may still inline it: `pack=0`)."""
+    """B of a GEMM as (read(batch, kk, j), panel width, Pack or None): a constant 2-D B is
+    packed at build time, any other B by a stage of the kernel (`materialize` keeps it a stage
+    of its own; the dense template inlines it with `pack=0`)."""
     if ctx.is_constant(value) and ctx.type(value).rank == 2:
         panels, width = _panel_weights(ctx, value, transpose, scale)
         return (lambda batch, kk, j: _panel_read(panels, width, kk, j)), width, None
     b = ctx.tensor(value)
     panels, width = _runtime_panels(ctx, node, b, transpose)
     ctx.note(panels.name, materialize=True)
-    return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, panels.name
+    # Unpacked, the tile reads B with unit stride when B is an input of the kernel laid out
+    # [.., K, N] and no tile is partial: packing is then not the default.
+    unit_stride = b.is_placeholder and not transpose and panels.shape[-3] * width == b.shape[-1]
+    pack = Pack(panels.name, default=not unit_stride)
+    return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, pack
 
 
 def _tiled_shape(ctx: KernelContext, out_shape, width: int) -> tuple[int, ...]:
@@ -258,10 +271,12 @@ def _row(i, rows: int, padded_rows: int):
     return Binary("min", i, Const(rows - 1, INDEX)) if padded_rows != rows else i
 
 
-def _dense_stage(ctx, node, shape, body, out_shape, width: int, pack: str | None) -> Tensor:
+def _dense_stage(ctx, node, shape, body, out_shape, width: int, pack: Pack | None) -> Tensor:
     product = compute(shape, body, ctx.stage_name(node), ctx.type(node.outputs[0]).dtype)
     mr = gemm_row_tile(out_shape[-2], ctx.target)
-    ctx.note(product.name, panel=width, mr=mr, pack=pack or "", real_shape=tuple(out_shape))
+    ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))
+    if pack is not None:
+        ctx.note(product.name, pack=pack.stage, pack_default=pack.default)
     return product
 
 

@@ -300,7 +300,10 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
         default_mr = _largest_divisor(rows, range(max_accumulators(target) // 2, 1, -1))
     default_nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
     mrs = tuple(m for m in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16) if rows % m == 0)
-    nrs = tuple(sorted({n for n in (4, 8, 16, 32, 48, 64) if cols % n == 0} | {default_nr}))
+    nrs = {n for n in (4, 8, 16, 32, 48, 64) if cols % n == 0}
+    if mm.note("panel"):  # a tile across two panels reads B lane by lane
+        nrs = {n for n in nrs if panel % n == 0}
+    nrs = tuple(sorted(nrs | {default_nr}))
     # Stream the larger operand once: with more columns than rows, the column tiles go
     # outermost (each panel of B is read once, for every row tile, while it is in cache).
     batch = len(mm.shape) > 2 and not folded and math.prod(mm.shape[:-2]) > 1
@@ -308,7 +311,9 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
     default_order = "ji" if cols > real_rows and not batch else "ij"
     # Batches: each thread takes whole batches and row tiles, evenly, whatever the counts.
     default_parallel = "fused" if batch else "outer"
-    packs = (1, 0) if mm.note("pack") else (0,)
+    # Packing costs a pass over B; it pays where B's columns are padded (else the last tile
+    # reads them through a clamp, lane by lane) or B is computed in the kernel (a transpose).
+    packs = ((1, 0) if mm.note("pack_default") else (0, 1)) if mm.note("pack") else (0,)
     return (
         Knob("mr", tuple(sorted(set(mrs) | {default_mr})), default_mr),
         Knob("nr", nrs, default_nr),
