@@ -272,6 +272,8 @@ def _row(i, rows: int, padded_rows: int):
 
 
 def _dense_stage(ctx, node, shape, body, out_shape, width: int, pack: Pack | None) -> Tensor:
+    """The GEMM stage, with the facts its template needs: the panel width, the row tile its
+    rows are padded for, the real output shape (what the epilogue crops) and the packing."""
     product = compute(shape, body, ctx.stage_name(node), ctx.type(node.outputs[0]).dtype)
     mr = gemm_row_tile(out_shape[-2], ctx.target)
     ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))

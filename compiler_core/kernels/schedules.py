@@ -217,7 +217,7 @@ def gemm_row_tile(rows: int, target: Target, vectors: int = 2) -> int:
     larger on a tie. The kernel builder pads the rows to a multiple of it."""
     most = max(max_accumulators(target) // vectors, 1)
     if rows <= most:
-        return rows
+        return max(rows, 1)
     candidates = range(most, max(-(-2 * most // 3), 1) - 1, -1)
     return min(candidates, key=lambda m: (-(-rows // m) * m, -m))
 
