@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 import compiler_core
 from compiler_core.autotune.measure import MeasureOptions, Measurer
@@ -19,6 +19,8 @@ from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import parse_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
+
+INT32 = TensorProto.INT32
 
 RNG = np.random.default_rng(11)
 
@@ -149,3 +151,47 @@ def test_every_knob_value_of_the_dense_template_on_a_ragged_batch():
         (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
     ]
     assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize(
+    "c_shape", [[13, 1], [1], [], [13, 37]], ids=["column", "one", "scalar", "full"]
+)
+def test_gemm_bias_broadcasts_into_the_cropped_store(c_shape):
+    m, k, n = 13, 9, 37
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], beta=0.5)
+    model = make_model(
+        [node],
+        [("a", FLOAT, [m, k]), ("c", FLOAT, c_shape)],
+        [("y", FLOAT, [m, n])],
+        {"b": w(k, n)},
+    )
+    check(model, {"a": w(m, k), "c": w(*c_shape)})
+
+
+def test_a_residual_read_in_the_epilogue_of_a_ragged_tile():
+    """The last column tile's store is masked, and so is its read of the residual."""
+    nodes = [
+        helper.make_node("MatMul", ["a", "b"], ["y"]),
+        helper.make_node("Add", ["y", "r"], ["z"]),
+    ]
+    inputs = [("a", FLOAT, [2, 49, 24]), ("r", FLOAT, [2, 49, 37])]
+    model = make_model(nodes, inputs, [("z", FLOAT, [2, 49, 37])], {"b": w(24, 37)})
+    check(model, {"a": w(2, 49, 24), "r": w(2, 49, 37)})
+
+
+def test_integer_matmul_with_ragged_tiles():
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    model = make_model(
+        [node],
+        [("a", INT32, [2, 13, 5]), ("b", INT32, [2, 5, 37])],
+        [("y", INT32, [2, 13, 37])],
+    )
+    rng = np.random.default_rng(3)
+    feeds = {
+        "a": rng.integers(-9, 9, (2, 13, 5)).astype(np.int32),
+        "b": rng.integers(-9, 9, (2, 5, 37)).astype(np.int32),
+    }
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(None, feeds)
+    actual = load(compiler_core.compile(model), num_threads=2).run(feeds)["y"]
+    np.testing.assert_array_equal(actual, expected)
