@@ -311,8 +311,6 @@ class FunctionEmitter:
         if isinstance(cond.type, ir.VectorType):
             if not self._maskable(s, scope.vector_var):
                 raise CodegenError("a lane-dependent condition reached the vector emitter")
-            if scope.mask is not None:
-                cond = b.and_(cond, scope.mask)
             # Masked stores are slow on some CPUs (AMD's vmaskmovps): when every lane passes
             # (all but the last tile of a padded GEMM), store plainly.
             bits = ir.IntType(scope.lanes)
