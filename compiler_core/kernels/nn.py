@@ -293,23 +293,36 @@ def _cropped(ctx: KernelContext, node: Node, product: Tensor, out_shape) -> Tens
 def _matmul(ctx: KernelContext, node: Node):
     a_type, b_type = ctx.type(node.inputs[0]), ctx.type(node.inputs[1])
     out = ctx.type(node.outputs[0])
-    if a_type.rank < 2 or b_type.rank < 2:
+    if b_type.rank < 2:
         return [_matmul_vectors(ctx, node)]
+    # A vector A is a GEMM of one row (a dense layer at batch 1): [K] @ [.., K, N].
+    a_vector = a_type.rank == 1
+    out_shape = (*out.shape[:-1], 1, out.shape[-1]) if a_vector else out.shape
     a = ctx.tensor(node.inputs[0])
     kk = reduce_axis(a_type.shape[-1], "rk")
     b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
     b_batch = b_type.shape[:-2] if pack else ()
-    batch_shape, rows = out.shape[:-2], out.shape[-2]
-    shape = _tiled_shape(ctx, out.shape, width)
+    batch_shape, rows = out_shape[:-2], out_shape[-2]
+    shape = _tiled_shape(ctx, out_shape, width)
 
     def body(*index):
         batch, i, j = index[:-2], index[-2], index[-1]
-        a_index = (*broadcast_index(a.shape[:-2], batch_shape, batch), _row(i, rows, shape[-2]))
         b_read = b_at(broadcast_index(b_batch, batch_shape, batch), kk, j)
+        if a_vector:
+            return reduce_sum(a[(kk,)] * b_read, kk)
+        a_index = (*broadcast_index(a.shape[:-2], batch_shape, batch), _row(i, rows, shape[-2]))
         return reduce_sum(a[(*a_index, kk)] * b_read, kk)
 
-    product = _dense_stage(ctx, node, shape, body, out.shape, width, pack)
-    return [_cropped(ctx, node, product, out.shape)]
+    product = _dense_stage(ctx, node, shape, body, out_shape, width, pack)
+    if a_vector:  # drop the unit row (and any padded columns)
+        return [
+            compute(
+                out.shape,
+                lambda *i: product[(*i[:-1], Const(0, INDEX), i[-1])],
+                ctx.stage_name(node, "row"),
+            )
+        ]
+    return [_cropped(ctx, node, product, out_shape)]
 
 
 def _matmul_vectors(ctx: KernelContext, node: Node):

@@ -40,8 +40,7 @@ def check(model, feeds):
 
 
 def matmul_model(a_shape, b_shape, b_constant=False, epilogue=False):
-    out = [*np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2]))]
-    out += [a_shape[-2], b_shape[-1]]
+    out = list(np.matmul(np.zeros(a_shape), np.zeros(b_shape)).shape)
     nodes = [helper.make_node("MatMul", ["a", "b"], ["y"])]
     inputs = [("a", FLOAT, list(a_shape))]
     weights = {"b": w(*b_shape)} if b_constant else {}
@@ -195,3 +194,17 @@ def test_integer_matmul_with_ragged_tiles():
     (expected,) = session.run(None, feeds)
     actual = load(compiler_core.compile(model), num_threads=2).run(feeds)["y"]
     np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape", "b_constant"),
+    [
+        ([24], [24, 37], True),  # a dense layer at batch 1, ragged columns
+        ([24], [24, 48], True),
+        ([9], [3, 9, 17], False),  # against every batch of an activation B
+        ([13, 24], [24], True),  # matrix times vector
+        ([2, 13, 24], [24], False),
+    ],
+)
+def test_products_with_a_vector_operand(a_shape, b_shape, b_constant):
+    check(*matmul_model(a_shape, b_shape, b_constant=b_constant))
