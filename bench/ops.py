@@ -100,8 +100,7 @@ def conv_transpose(name, c, m, spatial, kernel, stride, pad=0, description=""):
 
 
 def matmul(name, a_shape, b_shape, b_constant, description=""):
-    out = [*np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])), a_shape[-2]]
-    out.append(b_shape[-1])
+    out = list(np.matmul(np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)).shape)
 
     def build():
         if b_constant:
@@ -210,6 +209,7 @@ CASES: dict[str, Case] = {
         conv("conv2d_c58", "conv2d", 58, 58, [28, 28], 1, description="ShuffleNet 1x1, 58 ch"),
         group_norm("groupnorm", [1, 512, 49], 32, description="wav2vec2 first layer"),
         matmul("matmul_m197", [197, 768], [768, 768], True, description="ViT projection"),
+        matmul("vecmat_768", [768], [768, 3072], True, description="1-D input, dense layer"),
     ]
 }
 
