@@ -100,8 +100,7 @@ def conv_transpose(name, c, m, spatial, kernel, stride, pad=0, description=""):
 
 
 def matmul(name, a_shape, b_shape, b_constant, description=""):
-    out = [*np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])), a_shape[-2]]
-    out.append(b_shape[-1])
+    out = list(np.matmul(np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)).shape)
 
     def build():
         if b_constant:
@@ -252,6 +251,7 @@ CASES: dict[str, Case] = {
             out_shape=_avgpool_out([1, 64, 112, 112], 3, 2, 1),
             description="ResNet stem pool, plain NCHW",
         ),
+        matmul("vecmat_768", [768], [768, 3072], True, description="1-D input, dense layer"),
     ]
 }
 

@@ -141,25 +141,27 @@ def _suffix(ty: ir.Type) -> str:
     return {"half": "f16", "float": "f32", "double": "f64"}[str(ty)]
 
 
+# Element types a masked vector load or store can move (llvm.masked.* on float vectors).
+MASKABLE = ("float16", "float32", "float64")
+
+
 def _lane_stride(e: Expr, var: str) -> int | None:
-    """c when `e` is `rest + c * var` with `rest` free of `var` (None otherwise). `rest` need
-    not be affine: a fused row index (`f // 197`) leaves a row's elements contiguous."""
+    """c when `e` is c * var plus terms that do not depend on var (those may be anything:
+    a fused loop's floordiv and mod, say), else None."""
     if not any(isinstance(x, Var) and x.name == var for x in walk_exprs(e)):
         return 0
     if isinstance(e, Var):
         return 1
-    if not isinstance(e, Binary) or e.dtype != INDEX:
-        return None
-    if e.op in ("add", "sub"):
+    if isinstance(e, Binary) and e.op in ("add", "sub"):
         a, b = _lane_stride(e.a, var), _lane_stride(e.b, var)
         if a is None or b is None:
             return None
         return a + b if e.op == "add" else a - b
-    if e.op == "mul":
-        for scaled, factor in ((e.a, e.b), (e.b, e.a)):
-            if isinstance(factor, Const):
-                stride = _lane_stride(scaled, var)
-                return None if stride is None else stride * int(factor.value)
+    if isinstance(e, Binary) and e.op == "mul":
+        for side, other in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(other, Const) and other.dtype == INDEX:
+                inner = _lane_stride(side, var)
+                return None if inner is None else inner * int(other.value)
     return None
 
 
@@ -169,6 +171,7 @@ class _Scope:
     buffers: dict[Buffer, ir.Value]  # base pointers
     lanes: int = 1
     vector_var: str | None = None
+    mask: ir.Value | None = None  # lanes a lane-dependent guard lets through (<L x i1>)
 
 
 class FunctionEmitter:
@@ -274,7 +277,33 @@ class FunctionEmitter:
 
     def _vectorizable(self, loop: For) -> bool:
         for s in walk_stmts(loop.body):
-            if isinstance(s, IfThenElse) and self._depends_on(s.cond, loop.var.name):
+            if (
+                isinstance(s, IfThenElse)
+                and self._depends_on(s.cond, loop.var.name)
+                and not self._maskable(s, loop.var.name)
+            ):
+                return False
+        return True
+
+    def _maskable(self, s: IfThenElse, var: str) -> bool:
+        """A lane-dependent guard around one store that, like every load it makes, touches
+        consecutive floats: it becomes a masked store (and masked loads), as the partial last
+        tile of a GEMM's writeback needs, instead of a loop over the lanes."""
+        if s.otherwise is not None or not isinstance(s.then, Store):
+            return False
+        if any(isinstance(x, Load) for x in walk_exprs(s.cond)):
+            return False
+        store = s.then
+        if _lane_stride(self._flat_index(store.buffer, store.indices), var) != 1:
+            return False
+        accesses = [(store.buffer, store.indices)] + [
+            (x.buffer, x.indices) for x in walk_exprs(store.value) if isinstance(x, Load)
+        ]
+        for buffer, indices in accesses:
+            flat = self._flat_index(buffer, indices)
+            if self._depends_on(flat, var) and (
+                _lane_stride(flat, var) != 1 or buffer.dtype not in MASKABLE
+            ):
                 return False
         return True
 
@@ -285,7 +314,18 @@ class FunctionEmitter:
     def _if(self, b: ir.IRBuilder, scope: _Scope, s: IfThenElse) -> None:
         cond = self._expr(b, scope, s.cond)
         if isinstance(cond.type, ir.VectorType):
-            raise CodegenError("a lane-dependent condition reached the vector emitter")
+            if not self._maskable(s, scope.vector_var):
+                raise CodegenError("a lane-dependent condition reached the vector emitter")
+            # Masked stores are slow on some CPUs (AMD's vmaskmovps): when every lane passes
+            # (all but the last tile of a padded GEMM), store plainly.
+            bits = ir.IntType(scope.lanes)
+            every = b.icmp_unsigned("==", b.bitcast(cond, bits), ir.Constant(bits, -1))
+            with b.if_else(every) as (whole, partial):
+                with whole:
+                    self._store(b, dataclasses.replace(scope, mask=None), s.then)
+                with partial:
+                    self._store(b, dataclasses.replace(scope, mask=cond), s.then)
+            return
         if s.otherwise is None:
             with b.if_then(cond):
                 self._stmt(b, scope, s.then)
@@ -362,6 +402,16 @@ class FunctionEmitter:
             value = self._from_memory(b, b.load(where, typ=element), e.dtype)
             return self._splat(b, value, scope.lanes) if scope.lanes > 1 else value
         vector_type = ir.VectorType(element, scope.lanes)
+        if kind == "contiguous" and scope.mask is not None and e.buffer.scope != "local":
+            masked_load = self._declare(
+                f"llvm.masked.load.{_suffix(vector_type)}.p0",
+                vector_type,
+                [PTR, I32, scope.mask.type, vector_type],
+            )
+            zero = ir.Constant(vector_type, None)
+            align = I32(_align(e.buffer.dtype))
+            loaded = b.call(masked_load, [where, align, scope.mask, zero])
+            return self._from_memory(b, loaded, e.dtype)
         if kind == "contiguous":
             loaded = b.load(where, typ=vector_type, align=_align(e.buffer.dtype))
             return self._from_memory(b, loaded, e.dtype)
@@ -382,6 +432,14 @@ class FunctionEmitter:
         elif kind == "contiguous":
             if not vector:
                 value = self._splat(b, value, scope.lanes)
+            if scope.mask is not None:
+                masked_store = self._declare(
+                    f"llvm.masked.store.{_suffix(value.type)}.p0",
+                    ir.VoidType(),
+                    [value.type, PTR, I32, scope.mask.type],
+                )
+                b.call(masked_store, [value, where, I32(_align(s.buffer.dtype)), scope.mask])
+                return
             b.store(value, where, align=_align(s.buffer.dtype))
         else:
             for lane, pointer in enumerate(where):

@@ -8,6 +8,7 @@ its own stage, so the inner loops of a convolution never test bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import string
@@ -18,6 +19,7 @@ from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
+from compiler_core.kernels.schedules import gemm_row_tile
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_min, reduce_sum
 
@@ -203,40 +205,124 @@ def _panel_weights(ctx: KernelContext, value: str, transpose: bool, scale: float
     return ctx.packed(value, f"panel{width}{'t' if transpose else ''}", panels), width
 
 
-def _panel_read(panels: Tensor, width: int, kk, j):
+def _panel_read(panels: Tensor, width: int, kk, j, batch=()):
     block = Binary("floordiv", j, Const(width, INDEX))
     lane = Binary("mod", j, Const(width, INDEX))
-    return panels[(block, kk, lane)]
+    return panels[(*batch, block, kk, lane)]
+
+
+def _runtime_panels(ctx: KernelContext, node: Node, b: Tensor, transpose: bool) -> Tensor:
+    """An activation B ([..., K, N], or [..., N, K] with `transpose`) packed into [..., N/P, K, P]
+    panels by a stage of the kernel, so that the GEMM reads B with unit stride as it does a
+    packed weight. Columns past N repeat the last one: their products are cropped."""
+    *batch_shape, k, n = b.shape
+    if transpose:
+        k, n = n, k
+    width = panel_width(n, ctx.target.vector_lanes)
+    blocks = -(-n // width)
+
+    def body(*index):
+        batch, (block, kk, lane) = index[:-3], index[-3:]
+        j = Binary("add", Binary("mul", block, Const(width, INDEX)), lane)
+        if blocks * width != n:
+            j = Binary("min", j, Const(n - 1, INDEX))
+        return b[(*batch, j, kk) if transpose else (*batch, kk, j)]
+
+    shape = (*batch_shape, blocks, k, width)
+    return compute(shape, body, ctx.stage_name(node, "pack"), b.dtype), width
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """The stage packing an activation B into panels, and whether packing is the default."""
+
+    stage: str
+    default: bool
+
+
+def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale: float = 1.0):
+    """B of a GEMM as (read(batch, kk, j), panel width, Pack or None): a constant 2-D B is
+    packed at build time, any other B by a stage of the kernel (`materialize` keeps it a stage
+    of its own; the dense template inlines it with `pack=0`)."""
+    if ctx.is_constant(value) and ctx.type(value).rank == 2:
+        panels, width = _panel_weights(ctx, value, transpose, scale)
+        return (lambda batch, kk, j: _panel_read(panels, width, kk, j)), width, None
+    b = ctx.tensor(value)
+    panels, width = _runtime_panels(ctx, node, b, transpose)
+    ctx.note(panels.name, materialize=True)
+    # Unpacked, the tile reads B with unit stride when B is an input of the kernel laid out
+    # [.., K, N] and no tile is partial: packing is then not the default.
+    unit_stride = b.is_placeholder and not transpose and panels.shape[-3] * width == b.shape[-1]
+    pack = Pack(panels.name, default=not unit_stride)
+    return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, pack
+
+
+def _tiled_shape(ctx: KernelContext, out_shape, width: int) -> tuple[int, ...]:
+    """The GEMM stage's shape: whole register tiles, rows padded to a multiple of the default
+    row tile and columns to the panel width (a partial last tile costs no scalar loop)."""
+    *batch_shape, rows, cols = out_shape
+    mr = gemm_row_tile(rows, ctx.target)
+    return (*batch_shape, -(-rows // mr) * mr, -(-cols // width) * width)
+
+
+def _row(i, rows: int, padded_rows: int):
+    """A row of A: the rows past the real ones (in a partial last register tile) read the last
+    row, so every read stays in bounds; their products are cropped."""
+    return Binary("min", i, Const(rows - 1, INDEX)) if padded_rows != rows else i
+
+
+def _dense_stage(ctx, node, shape, body, out_shape, width: int, pack: Pack | None) -> Tensor:
+    """The GEMM stage, with the facts its template needs: the panel width, the row tile its
+    rows are padded for, the real output shape (what the epilogue crops) and the packing."""
+    product = compute(shape, body, ctx.stage_name(node), ctx.type(node.outputs[0]).dtype)
+    mr = gemm_row_tile(out_shape[-2], ctx.target)
+    ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))
+    if pack is not None:
+        ctx.note(product.name, pack=pack.stage, pack_default=pack.default)
+    return product
+
+
+def _cropped(ctx: KernelContext, node: Node, product: Tensor, out_shape) -> Tensor:
+    """The real rows and columns of a padded product (the dense template folds this crop, and
+    any epilogue after it, into the tile's store)."""
+    if tuple(product.shape) == tuple(out_shape):
+        return product
+    return compute(tuple(out_shape), lambda *i: product[i], ctx.stage_name(node, "crop"))
 
 
 def _matmul(ctx: KernelContext, node: Node):
     a_type, b_type = ctx.type(node.inputs[0]), ctx.type(node.inputs[1])
     out = ctx.type(node.outputs[0])
-    if a_type.rank < 2 or b_type.rank < 2:
+    if b_type.rank < 2:
         return [_matmul_vectors(ctx, node)]
+    # A vector A is a GEMM of one row (a dense layer at batch 1): [K] @ [.., K, N].
+    a_vector = a_type.rank == 1
+    out_shape = (*out.shape[:-1], 1, out.shape[-1]) if a_vector else out.shape
     a = ctx.tensor(node.inputs[0])
-    k_dim = a_type.shape[-1]
-    kk = reduce_axis(k_dim, "rk")
-    width = 0
-    if b_type.rank == 2 and ctx.is_constant(node.inputs[1]):
-        panels, width = _panel_weights(ctx, node.inputs[1], transpose=False)
-
-        def b_at(batch, j):
-            return _panel_read(panels, width, kk, j)
-    else:
-        b = ctx.tensor(node.inputs[1])
-
-        def b_at(batch, j):
-            return b[broadcast_index(b.shape[:-2], out.shape[:-2], batch) + (kk, j)]
+    kk = reduce_axis(a_type.shape[-1], "rk")
+    b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
+    b_batch = b_type.shape[:-2] if pack else ()
+    batch_shape, rows = out_shape[:-2], out_shape[-2]
+    shape = _tiled_shape(ctx, out_shape, width)
 
     def body(*index):
         batch, i, j = index[:-2], index[-2], index[-1]
-        a_index = broadcast_index(a.shape[:-2], out.shape[:-2], batch) + (i, kk)
-        return reduce_sum(a[a_index] * b_at(batch, j), kk)
+        b_read = b_at(broadcast_index(b_batch, batch_shape, batch), kk, j)
+        if a_vector:
+            return reduce_sum(a[(kk,)] * b_read, kk)
+        a_index = (*broadcast_index(a.shape[:-2], batch_shape, batch), _row(i, rows, shape[-2]))
+        return reduce_sum(a[(*a_index, kk)] * b_read, kk)
 
-    product = compute(out.shape, body, ctx.stage_name(node), out.dtype)
-    ctx.note(product.name, panel=width)
-    return [product]
+    product = _dense_stage(ctx, node, shape, body, out_shape, width, pack)
+    if a_vector:  # drop the unit row (and any padded columns)
+        return [
+            compute(
+                out.shape,
+                lambda *i: product[(*i[:-1], Const(0, INDEX), i[-1])],
+                ctx.stage_name(node, "row"),
+            )
+        ]
+    return [_cropped(ctx, node, product, out_shape)]
 
 
 def _matmul_vectors(ctx: KernelContext, node: Node):
@@ -312,35 +398,26 @@ def _gemm(ctx: KernelContext, node: Node):
     alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 1.0)
     trans_a, trans_b = node.attr("transA", 0), node.attr("transB", 0)
     a = ctx.tensor(a_value)
-    k_dim = ctx.type(a_value).shape[0 if trans_a else 1]
-    kk = reduce_axis(k_dim, "rk")
-    width = 0
-    if ctx.is_constant(b_value):
-        panels, width = _panel_weights(ctx, b_value, transpose=bool(trans_b), scale=alpha)
+    kk = reduce_axis(ctx.type(a_value).shape[0 if trans_a else 1], "rk")
+    b_at, width, pack = _dense_b(ctx, node, b_value, transpose=bool(trans_b), scale=alpha)
+    if pack is None:  # alpha is folded into the constant panels
         alpha = 1.0
-
-        def b_at(j):
-            return _panel_read(panels, width, kk, j)
-    else:
-        b = ctx.tensor(b_value)
-
-        def b_at(j):
-            return b[(j, kk) if trans_b else (kk, j)]
+    rows = out.shape[0]
+    shape = _tiled_shape(ctx, out.shape, width)
 
     def body(i, j):
-        a_at = a[(kk, i) if trans_a else (i, kk)]
-        return reduce_sum(a_at * b_at(j), kk)
+        row = _row(i, rows, shape[0])
+        a_at = a[(kk, row) if trans_a else (row, kk)]
+        return reduce_sum(a_at * b_at((), kk, j), kk)
 
-    # With zero-padded panels (1000 columns in panels of 32, say) the product covers the
-    # padded width, so every register tile is whole; the epilogue keeps the real columns.
-    columns = -(-out.shape[1] // width) * width if width else out.shape[1]
-    product = compute((out.shape[0], columns), body, ctx.stage_name(node), out.dtype)
-    ctx.note(product.name, panel=width)
+    product = _dense_stage(ctx, node, shape, body, out.shape, width, pack)
     has_c = len(node.inputs) > 2 and node.inputs[2]
-    if not has_c and alpha == 1.0 and columns == out.shape[1]:
-        return [product]
+    if not has_c and alpha == 1.0:
+        return [_cropped(ctx, node, product, out.shape)]
     c = ctx.tensor(node.inputs[2]) if has_c else None
 
+    # At the output's own shape, so it also crops the padded product; the dense template
+    # folds it into the tile's store.
     def epilogue(i, j):
         value = product[i, j]
         if alpha != 1.0:

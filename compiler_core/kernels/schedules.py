@@ -91,7 +91,9 @@ def _epilogue_of(anchor: StageInfo, kept: list[StageInfo], inlined: set[str], al
         return any(r == anchor.name or (r in inlined and reaches(by_name[r])) for r in stage.reads)
 
     for s in kept:
-        if s.output and s.pure and s is not anchor and s.shape == anchor.shape and reaches(s):
+        # A padded GEMM's epilogue covers the real rows and columns (it crops the product).
+        shapes = (anchor.shape, anchor.note("real_shape"))
+        if s.output and s.pure and s is not anchor and s.shape in shapes and reaches(s):
             return s
     return None
 
@@ -211,6 +213,18 @@ NCHWC_TILE = 14
 NCHWC_DEPTHWISE_TILE = 8
 
 
+def gemm_row_tile(rows: int, target: Target, vectors: int = 2) -> int:
+    """Rows per register tile (mr) of a GEMM whose column tile is `vectors` vectors wide: all
+    the rows when they fit one tile, else the tile between 2/3 of the register budget and all
+    of it that pads the rows least (49 rows: 5 x 10 tiles with AVX2, not 7 or 1 x 49), the
+    larger on a tie. The kernel builder pads the rows to a multiple of it."""
+    most = max(max_accumulators(target) // vectors, 1)
+    if rows <= most:
+        return max(rows, 1)
+    candidates = range(most, max(-(-2 * most // 3), 1) - 1, -1)
+    return min(candidates, key=lambda m: (-(-rows // m) * m, -m))
+
+
 def _gemm_rows(mm: StageInfo) -> tuple[int, bool]:
     """(rows of the GEMM, whether the batch loops fold into the row loop)."""
     rank = len(mm.shape)
@@ -223,15 +237,20 @@ def matmul_schedule(
     mm: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
 ) -> list[Record]:
     """Register-tiled GEMM: an mr x nr tile of accumulators over the whole reduction
-    (broadcast A, load a vector of B's packed panel, FMA). Knobs: mr, nr, the order of the
-    row-tile and column-tile loops, and which of them runs in parallel."""
+    (broadcast A, load a vector of B's packed panel, FMA), its epilogue (and the crop of the
+    padded rows and columns) folded into the tile's store. Knobs: mr, nr, the order of the
+    row-tile and column-tile loops, the parallel loop (`outer`: the outermost loop with work;
+    `fused`: the batch loops fused with the first tile loop, or without batch loops both tile
+    loops, so that every thread gets an even share), and `pack`: whether an activation B is
+    packed into panels by a stage of its own (else the GEMM reads it where it is)."""
     rank = len(mm.shape)
-    cols = mm.shape[-1]
     batch_loops = [mm.loop(k) for k in range(rank - 2)]
     i_loop, j_loop = mm.loop(rank - 2), mm.loop(rank - 1)
     ((k_loop, _),) = mm.reduce_axes
     records: list[Record] = []
-    rows, folded = _gemm_rows(mm)
+    if mm.note("pack") and not config["pack"]:
+        records.append(ComputeInline(mm.note("pack")))
+    _, folded = _gemm_rows(mm)
     if folded:
         # A shared (packed) weight, and the rows spread over one dimension only: every batch
         # row is just another row of one GEMM (the fused index stays affine).
@@ -246,11 +265,12 @@ def matmul_schedule(
     if nr > lanes and nr % lanes == 0:
         records.append(Split(f"{j_loop}_i", lanes))
         inner_j = [f"{j_loop}_i_o", f"{j_loop}_i_i"]
-    tiles = [f"{i_loop}_o", f"{j_loop}_o"]
-    extents = [rows // mr, -(-cols // nr)]
+    rows, cols = _gemm_rows(mm)[0], mm.shape[-1]
+    batch = list(zip(batch_loops, mm.shape[: len(batch_loops)], strict=True))
+    tiles = [(f"{i_loop}_o", -(-rows // mr)), (f"{j_loop}_o", -(-cols // nr))]
     if config["order"] == "ji":
-        tiles, extents = tiles[::-1], extents[::-1]
-    order = (*batch_loops, *tiles, k_loop, f"{i_loop}_i", *inner_j)
+        tiles = tiles[::-1]
+    order = (*batch_loops, *(name for name, _ in tiles), k_loop, f"{i_loop}_i", *inner_j)
     records += [Reorder(order), CacheWrite(mm.name, k_loop)]
     if nr >= 4:
         records += [Vectorize(inner_j[-1]), *_vector_tile_io(mm)]
@@ -259,32 +279,50 @@ def matmul_schedule(
     records.append(Unroll(f"{i_loop}_i"))
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    outer = [*batch_loops, *tiles]
-    extents = [*mm.shape[: len(batch_loops)], *extents]
-    if config["parallel"] == "fused" and not batch_loops and min(extents) > 1:
-        records += [Fuse(*tiles), Parallel(f"{tiles[0]}_{tiles[1]}_f")]
-        return records
-    parallel = next((loop for loop, e in zip(outer, extents, strict=True) if e > 1), None)
+    outer = [*batch, *tiles]
+    if config["parallel"] == "fused":
+        fused = [name for name, _ in outer[: len(batch) + 1 if batch else 2]]
+        for name in fused[1:]:
+            records.append(Fuse(fused[0], name))
+            fused[0] = f"{fused[0]}_{name}_f"
+        return [*records, Parallel(fused[0])]
+    parallel = next((name for name, extent in outer if extent > 1), None)
     if parallel is not None:
         records.append(Parallel(parallel))
     return records
 
 
 def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
-    rows, _ = _gemm_rows(mm)
+    rows, folded = _gemm_rows(mm)
     cols = mm.shape[-1]
     panel = mm.note("panel") or 2 * target.vector_lanes
-    # mr rows x two vectors of accumulators: 12 x 32 with AVX-512, 6 x 16 with AVX2.
-    row_candidates = (12, 8, 6, 4, 3, 2) if target.vector_registers >= 32 else (6, 4, 3, 2)
-    default_mr = _largest_divisor(rows, row_candidates)
+    noted = mm.note("mr")  # the row tile the builder padded the rows for
+    if noted and rows == mm.shape[-2] and rows % noted == 0:
+        default_mr = noted
+    else:
+        default_mr = _largest_divisor(rows, range(max_accumulators(target) // 2, 1, -1))
     default_nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
     mrs = tuple(m for m in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16) if rows % m == 0)
-    nrs = tuple(sorted({n for n in (4, 8, 16, 32, 48, 64) if cols % n == 0} | {default_nr}))
+    nrs = {n for n in (4, 8, 16, 32, 48, 64) if cols % n == 0}
+    if mm.note("panel"):  # a tile across two panels reads B lane by lane
+        nrs = {n for n in nrs if panel % n == 0}
+    nrs = tuple(sorted(nrs | {default_nr}))
+    # Stream the larger operand once: with more columns than rows, the column tiles go
+    # outermost (each panel of B is read once, for every row tile, while it is in cache).
+    batch = len(mm.shape) > 2 and not folded and math.prod(mm.shape[:-2]) > 1
+    real_rows = (mm.note("real_shape") or mm.shape)[-2]
+    default_order = "ji" if cols > real_rows and not batch else "ij"
+    # Batches: each thread takes whole batches and row tiles, evenly, whatever the counts.
+    default_parallel = "fused" if batch else "outer"
+    # Packing costs a pass over B; it pays where B's columns are padded (else the last tile
+    # reads them through a clamp, lane by lane) or B is computed in the kernel (a transpose).
+    packs = ((1, 0) if mm.note("pack_default") else (0, 1)) if mm.note("pack") else (0,)
     return (
         Knob("mr", tuple(sorted(set(mrs) | {default_mr})), default_mr),
         Knob("nr", nrs, default_nr),
-        Knob("order", ("ij", "ji"), "ij"),
-        Knob("parallel", ("outer", "fused"), "outer"),
+        Knob("order", ("ij", "ji"), default_order),
+        Knob("parallel", ("outer", "fused"), default_parallel),
+        Knob("pack", packs, packs[0]),
     )
 
 
@@ -448,7 +486,7 @@ class Template:
 
 TEMPLATES: dict[str, Template] = {
     "conv2d_nchwc": Template("conv2d_nchwc", 1, _nchwc_knobs, nchwc_conv_schedule),
-    "dense": Template("dense", 1, _matmul_knobs, matmul_schedule, _matmul_fits),
+    "dense": Template("dense", 2, _matmul_knobs, matmul_schedule, _matmul_fits),
     "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
 }
 
@@ -555,8 +593,11 @@ def schedule_for(
     handled: set[str] = set()
     tunable = tunable_of(stages, target)
     if tunable is not None:
-        records += tunable.records(config)
+        anchor_records = tunable.records(config)
+        records += anchor_records
         handled.add(tunable.anchor.name)
+        # Stages the template inlined (an activation B's packing, with `pack=0`).
+        handled |= {r.stage for r in anchor_records if isinstance(r, ComputeInline)}
     elif anchor is not None:
         epilogue = _epilogue_of(anchor, kept, inlined, stages)
         layout = anchor.note("layout")

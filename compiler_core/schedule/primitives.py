@@ -414,8 +414,12 @@ def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
     ]
     if any(list(x.indices) != list(store.indices) for x in reads_of_producer):
         raise ScheduleError(f"{r}: {r.stage!r} must read {producer.name!r} at its own indices")
-    if producer.shape != consumer.shape:
-        raise ScheduleError(f"{r}: {producer.name!r} and {r.stage!r} differ in shape")
+    # A consumer may cover a leading part of the producer (the real rows and columns of a
+    # GEMM computed in whole register tiles): the folded store is guarded to that part.
+    if len(producer.shape) != len(consumer.shape) or any(
+        c > p for c, p in zip(consumer.shape, producer.shape, strict=True)
+    ):
+        raise ScheduleError(f"{r}: {r.stage!r} is not {producer.name!r} or a crop of it")
     writers = [s for s in walk_stmts(func.body) if isinstance(s, Store) and s.buffer == producer]
     readers = [
         s
@@ -439,7 +443,14 @@ def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
         return None
 
     epilogue = map_expr(substitute(store.value, mapping), value_at_store)
-    body = replace_stmt(func.body, final, Store(consumer, final.indices, epilogue))
+    folded: Stmt = Store(consumer, final.indices, epilogue)
+    # Innermost dimension's guard innermost: a vector loop over it becomes a masked store.
+    for index, c, p in reversed(
+        list(zip(final.indices, consumer.shape, producer.shape, strict=True))
+    ):
+        if c != p:
+            folded = IfThenElse(Binary("lt", index, Const(c, INDEX)), folded)
+    body = replace_stmt(func.body, final, folded)
     body = replace_stmt(body, nest, Block(()))
     return _with_body(func, _remove_allocation(body, producer))
 

@@ -21,6 +21,7 @@ from compiler_core.schedule.primitives import (
     Fuse,
     Parallel,
     Reorder,
+    ReverseComputeInline,
     Split,
     Unroll,
     Vectorize,
@@ -185,3 +186,32 @@ def test_bfloat16_rounds_to_nearest_even_when_stored(tmp_path):
     np.testing.assert_array_equal(doubled, expected.astype(np.float32) * 2)
     library.call("summed", [expected, out])
     np.testing.assert_array_equal(out.astype(np.float32), (expected + expected).astype(np.float32))
+
+
+def test_a_cropped_register_tile_stores_its_partial_lanes_masked(tmp_path):
+    """A product over whole tiles (6 x 24) cropped to 5 x 21 with an epilogue reading another
+    input: the crop folds into the tile's store, the last column tile stores (and reads the
+    residual) under a lane mask, every other tile plainly; native matches the interpreter."""
+    a = te.placeholder((5, 7), "float32", "a")
+    b = te.placeholder((7, 24), "float32", "b")
+    r = te.placeholder((5, 21), "float32", "r")
+    kk = te.reduce_axis(7, "kk")
+    row = lambda i: Binary("min", i, Const(4, "int64"))  # noqa: E731 - the padded row reads row 4
+    c = te.compute((6, 24), lambda i, j: te.reduce_sum(a[row(i), kk] * b[kk, j], kk), "c")
+    y = te.compute((5, 21), lambda i, j: maximum(c[i, j] + r[i, j], Const(0.0, "float32")), "y")
+    func = apply(
+        te.lower([a, b, r], [y], "cropped_tile"),
+        [
+            Split("c_i0", 3),
+            Split("c_i1", 8),
+            Reorder(("c_i0_o", "c_i1_o", "c_kk", "c_i0_i", "c_i1_i")),
+            CacheWrite("c", "c_kk"),
+            Vectorize("c_i1_i"),
+            Vectorize("c_wb1"),
+            Unroll("c_i0_i"),
+            ReverseComputeInline("y"),
+        ],
+    )
+    module = str(build_module([func], TARGET))
+    assert "llvm.masked.store" in module and "llvm.masked.load" in module
+    assert_native_matches_interpreter([func], tmp_path)

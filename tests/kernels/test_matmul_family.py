@@ -1,0 +1,210 @@
+"""MatMul and Gemm at any size, native code against ONNX Runtime: ragged rows and columns
+(partial register tiles), both operands activations (B packed at run time, a transpose
+folded into the packing), broadcast batch dimensions, Gemm's transposes and constant or
+activation B, epilogues folded into a cropped tile; and every value of every knob of the
+dense template on a ragged batched product."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import compiler_core
+from compiler_core.autotune.measure import MeasureOptions, Measurer
+from compiler_core.autotune.tasks import extract_tasks
+from compiler_core.frontend.onnx import import_model
+from compiler_core.passes.pipeline import optimize
+from compiler_core.runtime import load
+from compiler_core.target import parse_target
+from tests.conftest import FLOAT, assert_close_to_scale, make_model
+
+INT32 = TensorProto.INT32
+
+RNG = np.random.default_rng(11)
+
+
+def w(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def check(model, feeds):
+    """Native output (2 threads) against ONNX Runtime, for every output."""
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(None, feeds)
+    module = load(compiler_core.compile(model), num_threads=2)
+    actual = module.run(feeds)
+    for info, want in zip(model.graph.output, expected, strict=True):
+        assert_close_to_scale(actual[info.name], want, label=info.name)
+
+
+def matmul_model(a_shape, b_shape, b_constant=False, epilogue=False):
+    out = list(np.matmul(np.zeros(a_shape), np.zeros(b_shape)).shape)
+    nodes = [helper.make_node("MatMul", ["a", "b"], ["y"])]
+    inputs = [("a", FLOAT, list(a_shape))]
+    weights = {"b": w(*b_shape)} if b_constant else {}
+    if not b_constant:
+        inputs.append(("b", FLOAT, list(b_shape)))
+    result = "y"
+    if epilogue:  # bias + relu, fused into the product's group
+        weights["bias"] = w(b_shape[-1])
+        nodes += [
+            helper.make_node("Add", ["y", "bias"], ["s"]),
+            helper.make_node("Relu", ["s"], ["z"]),
+        ]
+        result = "z"
+    model = make_model(nodes, inputs, [(result, FLOAT, out)], weights)
+    feeds = {"a": w(*a_shape)}
+    if not b_constant:
+        feeds["b"] = w(*b_shape)
+    return model, feeds
+
+
+# Rows 1, 7, 13, 49, 197 (one tile, partial tiles, a prime); K 1, 5, 64; N 3, 17, 197 (fewer
+# columns than a panel, one panel of all, padded panels).
+BATCHED = [
+    (1, 1, 3),
+    (7, 5, 17),
+    (13, 64, 3),
+    (49, 5, 197),
+    (197, 64, 17),
+    (13, 1, 197),
+    (1, 64, 197),
+    (49, 64, 40),
+]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), BATCHED, ids=[f"{m}x{k}x{n}" for m, k, n in BATCHED])
+def test_batched_matmul_of_two_activations(m, k, n):
+    check(*matmul_model([3, m, k], [3, k, n]))
+
+
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape"),
+    [
+        ([2, 1, 7, 5], [3, 5, 17]),  # both batch dims broadcast
+        ([7, 5], [3, 5, 37]),  # a 2-D A against every batch of B
+        ([2, 13, 64], [64, 19]),  # a 2-D activation B shared by the batches
+        ([4, 1, 9], [4, 9, 33]),  # one row per batch
+    ],
+)
+def test_broadcast_batch_dimensions(a_shape, b_shape):
+    check(*matmul_model(a_shape, b_shape))
+
+
+@pytest.mark.parametrize("m", [7, 49, 197])
+@pytest.mark.parametrize("n", [17, 40, 197])
+def test_ragged_rows_and_columns_with_a_constant_weight_and_an_epilogue(m, n):
+    check(*matmul_model([m, 24], [24, n], b_constant=True, epilogue=True))
+
+
+@pytest.mark.parametrize("b_constant", [True, False], ids=["constant_b", "activation_b"])
+@pytest.mark.parametrize("trans_a", [0, 1])
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_gemm_transposes(trans_a, trans_b, b_constant):
+    m, k, n = 13, 9, 37
+    a_shape = [k, m] if trans_a else [m, k]
+    b_shape = [n, k] if trans_b else [k, n]
+    attrs = {"transA": trans_a, "transB": trans_b, "alpha": 0.5, "beta": 2.0}
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], **attrs)
+    inputs = [("a", FLOAT, a_shape)] + ([] if b_constant else [("b", FLOAT, b_shape)])
+    weights = {"c": w(n)} | ({"b": w(*b_shape)} if b_constant else {})
+    model = make_model([node], inputs, [("y", FLOAT, [m, n])], weights)
+    feeds = {"a": w(*a_shape)} | ({} if b_constant else {"b": w(*b_shape)})
+    check(model, feeds)
+
+
+@pytest.mark.parametrize("perm", [[0, 2, 1], [0, 1, 3, 2]], ids=["3d", "4d"])
+def test_attention_scores_with_a_transposed_key(perm):
+    """Q.K^T as attention writes it: the Transpose feeding the MatMul is folded into the
+    packing of B."""
+    shape = [3, 13, 8] if len(perm) == 3 else [2, 3, 13, 8]
+    out = [*shape[:-1], shape[-2]]
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=perm),
+        helper.make_node("MatMul", ["q", "kt"], ["y"]),
+    ]
+    model = make_model(nodes, [("q", FLOAT, shape), ("k", FLOAT, shape)], [("y", FLOAT, out)])
+    check(model, {"q": w(*shape), "k": w(*shape)})
+
+
+def test_every_knob_value_of_the_dense_template_on_a_ragged_batch():
+    """The default config and every other value of each knob, one at a time (the whole space
+    is the tuner tests' business), against the reference answer."""
+    model, _ = matmul_model([2, 13, 5], [2, 5, 37])
+    (task,) = extract_tasks(optimize(import_model(model)))
+    knobs = task.tunable.knobs
+    assert {k.name for k in knobs} >= {"mr", "nr", "order", "parallel", "pack"}
+    default = task.tunable.default_config()
+    configs = [default] + [
+        {**default, knob.name: value}
+        for knob in knobs
+        for value in knob.choices
+        if value != knob.default and task.tunable.fits({**default, knob.name: value})
+    ]
+    options = MeasureOptions(repeats=1, min_repeat_seconds=0.0)
+    with Measurer(parse_target("llvm"), options) as measurer:
+        results = measurer.measure(task, configs)
+    errors = [
+        (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
+    ]
+    assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize(
+    "c_shape", [[13, 1], [1], [], [13, 37]], ids=["column", "one", "scalar", "full"]
+)
+def test_gemm_bias_broadcasts_into_the_cropped_store(c_shape):
+    m, k, n = 13, 9, 37
+    node = helper.make_node("Gemm", ["a", "b", "c"], ["y"], beta=0.5)
+    model = make_model(
+        [node],
+        [("a", FLOAT, [m, k]), ("c", FLOAT, c_shape)],
+        [("y", FLOAT, [m, n])],
+        {"b": w(k, n)},
+    )
+    check(model, {"a": w(m, k), "c": w(*c_shape)})
+
+
+def test_a_residual_read_in_the_epilogue_of_a_ragged_tile():
+    """The last column tile's store is masked, and so is its read of the residual."""
+    nodes = [
+        helper.make_node("MatMul", ["a", "b"], ["y"]),
+        helper.make_node("Add", ["y", "r"], ["z"]),
+    ]
+    inputs = [("a", FLOAT, [2, 49, 24]), ("r", FLOAT, [2, 49, 37])]
+    model = make_model(nodes, inputs, [("z", FLOAT, [2, 49, 37])], {"b": w(24, 37)})
+    check(model, {"a": w(2, 49, 24), "r": w(2, 49, 37)})
+
+
+def test_integer_matmul_with_ragged_tiles():
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    model = make_model(
+        [node],
+        [("a", INT32, [2, 13, 5]), ("b", INT32, [2, 5, 37])],
+        [("y", INT32, [2, 13, 37])],
+    )
+    rng = np.random.default_rng(3)
+    feeds = {
+        "a": rng.integers(-9, 9, (2, 13, 5)).astype(np.int32),
+        "b": rng.integers(-9, 9, (2, 5, 37)).astype(np.int32),
+    }
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(None, feeds)
+    actual = load(compiler_core.compile(model), num_threads=2).run(feeds)["y"]
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape", "b_constant"),
+    [
+        ([24], [24, 37], True),  # a dense layer at batch 1, ragged columns
+        ([24], [24, 48], True),
+        ([9], [3, 9, 17], False),  # against every batch of an activation B
+        ([13, 24], [24], True),  # matrix times vector
+        ([2, 13, 24], [24], False),
+    ],
+)
+def test_products_with_a_vector_operand(a_shape, b_shape, b_constant):
+    check(*matmul_model(a_shape, b_shape, b_constant=b_constant))
