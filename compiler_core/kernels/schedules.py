@@ -151,52 +151,90 @@ def conv_schedule(
 def nchwc_conv_schedule(
     conv: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
 ) -> list[Record]:
-    """Conv writing NCHW[b]c: a row of `tile` output pixels x one b-channel block held in
-    registers over the whole reduction (broadcast an input value, FMA with a weight vector);
-    the parallel loop is output-channel blocks x rows (x row tiles, with `parallel=mo_y_x`).
+    """Conv writing NC[D][H]W[b]c (1, 2 or 3 spatial axes): `tile` output pixels of a row (the
+    last spatial axis) x one b-channel block held in registers over the whole reduction
+    (broadcast an input value, FMA with a weight vector); the parallel loop is output-channel
+    blocks x the outer spatial axes (x row tiles, with `parallel=mo_y_x`).
     Knobs: tile, the reduction order (input-channel blocks or kernel taps outermost), whether
-    the kernel-width taps are unrolled, the parallel loops."""
-    n_loop, mo_loop, y_loop, x_loop, mi_loop = (conv.loop(k) for k in range(5))
+    the taps along the row are unrolled, the parallel loops."""
+    rank = len(conv.shape)
+    n_loop, mo_loop, mi_loop = conv.loop(0), conv.loop(1), conv.loop(rank - 1)
+    rows = [conv.loop(k) for k in range(2, rank - 2)]  # spatial axes outside the row
+    x_loop = conv.loop(rank - 2)
     reduce_loops = [name for name, _ in conv.reduce_axes]
-    if config["reduce_order"] == "taps_outer" and len(reduce_loops) == 4:
-        rco, rk0, rk1, rci = reduce_loops
-        reduce_loops = [rk0, rk1, rco, rci]
+    taps = [name for name in reduce_loops if _is_tap(conv, name)]
+    if config["reduce_order"] == "taps_outer" and _has_channel_blocks(conv):
+        rco, *_, rci = reduce_loops
+        reduce_loops = [*taps, rco, rci]
     tile = int(config["tile"])
     records: list[Record] = [
         Split(x_loop, tile),
-        Reorder((n_loop, mo_loop, y_loop, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i", mi_loop)),
+        Reorder((n_loop, mo_loop, *rows, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i", mi_loop)),
         CacheWrite(conv.name, reduce_loops[0]),
         Vectorize(mi_loop),
         Unroll(f"{x_loop}_i"),
         *_vector_tile_io(conv),
     ]
-    kernel_width = next((loop for loop in reduce_loops if loop.endswith("_rk1")), None)
-    if config.get("unroll_kw") and kernel_width is not None:
-        records.append(Unroll(kernel_width))
+    if config.get("unroll_kw") and taps:
+        records.append(Unroll(taps[-1]))  # the taps along the row
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    records += [Fuse(mo_loop, y_loop)]
-    parallel = f"{mo_loop}_{y_loop}_f"
+    parallel = mo_loop
+    for loop in rows:
+        records.append(Fuse(parallel, loop))
+        parallel = f"{parallel}_{loop}_f"
     if config["parallel"] == "mo_y_x":
         records.append(Fuse(parallel, f"{x_loop}_o"))
         parallel = f"{parallel}_{x_loop}_o_f"
     return [*records, Parallel(parallel)]
 
 
+def _is_tap(conv: StageInfo, loop: str) -> bool:
+    """Whether a reduction loop of a conv walks kernel taps (`rk<j>`), not channels."""
+    return loop[len(conv.name) + 1 :].startswith("rk")
+
+
+def _has_channel_blocks(conv: StageInfo) -> bool:
+    """A conv reading blocked data reduces over input blocks, taps and lanes of a block."""
+    names = [name[len(conv.name) + 1 :] for name, _ in conv.reduce_axes]
+    return len(names) > 2 and names[0] == "rco" and names[-1] == "rci"
+
+
+def _nchwc_most(block: int, target: Target) -> int:
+    """Output pixels a register tile of one b-channel block can hold (a 16-channel block on an
+    8-lane target takes two registers per pixel)."""
+    return max_accumulators(target) // max(block // target.vector_lanes, 1)
+
+
+def _nchwc_preferred(depthwise: bool, block: int, target: Target) -> int:
+    return min(NCHWC_DEPTHWISE_TILE if depthwise else NCHWC_TILE, _nchwc_most(block, target))
+
+
+def nchwc_row_width(width: int, block: int, depthwise: bool, target: Target) -> int:
+    """Output pixels per row the blocked conv computes: `width` when a tile of at least half
+    the preferred size divides it (or the row fits one tile), else `width` rounded up to the
+    tile that wastes least (a tile costs its pixels plus about two pixels' worth of overhead:
+    the zero fill and the store), so that a prime row length does not fall to a tile of 1."""
+    preferred = _nchwc_preferred(depthwise, block, target)
+    tiles = range(-(-preferred // 2), preferred + 1)
+    if width <= preferred or any(width % t == 0 for t in tiles):
+        return width
+    best = min(tiles, key=lambda t: (-(-width // t) * (t + 2), -t))
+    return -(-width // best) * best
+
+
 def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
-    width = conv.shape[3]
-    # Vectors per channel block: a 16-channel block on an 8-lane target takes two registers.
-    vectors = max(conv.shape[4] // target.vector_lanes, 1)
-    most = max_accumulators(target) // vectors
-    preferred = NCHWC_TILE if conv.note("layout") == "nchwc" else NCHWC_DEPTHWISE_TILE
-    default_tile = _largest_divisor(width, tuple(range(min(preferred, most), 0, -1)))
+    width, block = conv.shape[-2], conv.shape[-1]
+    most = _nchwc_most(block, target)
+    preferred = _nchwc_preferred(conv.note("layout") == "nchwc_depthwise", block, target)
+    default_tile = _largest_divisor(width, tuple(range(preferred, 0, -1)))
     tiles = tuple(t for t in range(1, most + 1) if width % t == 0)
     knobs = [
         Knob("tile", tiles, default_tile),
         Knob("parallel", ("mo_y", "mo_y_x"), "mo_y"),
         Knob("unroll_kw", (0, 1), 0),
     ]
-    if len(conv.reduce_axes) == 4:
+    if _has_channel_blocks(conv):
         knobs.append(Knob("reduce_order", ("channels_outer", "taps_outer"), "channels_outer"))
     else:
         knobs.append(Knob("reduce_order", ("channels_outer",), "channels_outer"))

@@ -105,8 +105,8 @@ def test_blocked_value_that_is_also_an_output_keeps_its_name():
 
 @pytest.mark.parametrize(
     "channels, group",
-    [(12, 1), (16, 2)],
-    ids=["channels_not_a_multiple_of_8", "grouped_not_depthwise"],
+    [(12, 1), (16, 4)],
+    ids=["channels_not_a_multiple_of_8", "group_channels_not_a_multiple_of_8"],
 )
 def test_ineligible_convs_are_left_alone(channels, group):
     model = make_model(
@@ -136,8 +136,10 @@ def test_block_helpers_round_trip():
     np.testing.assert_array_equal(blocked[1, 1, 2, 4], x[1, 16:, 2, 4])
     np.testing.assert_array_equal(to_plain(blocked, 16), x)
     assert block_of("NCHW8c") == 8 and block_of("NCHW") == 0
-    with pytest.raises(ValueError, match="unknown activation layout"):
-        block_of("NHWC")
+    assert block_of("NCW16c") == 16 and block_of("NCDHW8c") == 8 and block_of("NCW") == 0
+    for bad in ("NHWC", "NCW0c", "NCHWc"):
+        with pytest.raises(ValueError, match="unknown activation layout"):
+            block_of(bad)
 
 
 @pytest.mark.parametrize("features, block", [("+avx512f,+avx2,+fma", 16), ("+avx2,+fma", 8)])
