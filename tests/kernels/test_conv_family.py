@@ -74,6 +74,42 @@ def chain_1d():
     )
 
 
+def pooled_3d():
+    """Conv3d -> MaxPool3d (padded) -> Conv3d -> AveragePool3d, all in NCDHW[b]c."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[1] * 6),
+            helper.make_node(
+                "MaxPool", ["a"], ["p"], name="max", kernel_shape=[2, 3, 3], pads=[0, 1, 1] * 2
+            ),
+            helper.make_node("Conv", ["p", "w2", "b2"], ["b"], name="c2", strides=[1, 2, 2]),
+            helper.make_node(
+                "AveragePool", ["b"], ["y"], name="avg", kernel_shape=[1, 2, 2], strides=[1, 2, 2]
+            ),
+        ],
+        [("x", FLOAT, [1, 4, 4, 9, 11])],
+        [("y", FLOAT, [1, 16, 3, 2, 2])],
+        {"w1": rand(16, 4, 3, 3, 3, scale=0.3), "w2": rand(16, 16, 1, 1, 1), "b2": rand(16)},
+    )
+
+
+def pooled_1d():
+    """Conv1d -> MaxPool1d (stride 2) -> Conv1d (dilated) -> AveragePool1d (padded)."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[2, 2]),
+            helper.make_node("MaxPool", ["a"], ["p"], name="max", kernel_shape=[3], strides=[2]),
+            helper.make_node("Conv", ["p", "w2"], ["b"], name="c2", dilations=[2], pads=[2, 2]),
+            helper.make_node(
+                "AveragePool", ["b"], ["y"], name="avg", kernel_shape=[3], pads=[1, 1]
+            ),
+        ],
+        [("x", FLOAT, [1, 3, 47])],
+        [("y", FLOAT, [1, 8, 23])],
+        {"w1": rand(8, 3, 5, scale=0.3), "w2": rand(8, 8, 3, scale=0.3)},
+    )
+
+
 CASES = {
     "conv1d_strided": lambda: conv_case(16, 16, [37], 3, stride=2),
     "conv1d_dilated_padded": lambda: conv_case(8, 16, [29], 3, pad=2, dilation=2),
@@ -84,6 +120,8 @@ CASES = {
     "conv1d_depthwise": lambda: conv_case(16, 16, [19], 3, pad=1, group=16),
     "conv1d_one_input_channel": lambda: conv_case(1, 16, [203], 10, stride=5),
     "conv1d_chain": chain_1d,
+    "conv1d_pooled": pooled_1d,
+    "conv3d_pooled": pooled_3d,
     "conv3d_padded": lambda: conv_case(8, 16, [5, 6, 7], 3, pad=1),
     "conv3d_strided": lambda: conv_case(3, 8, [6, 7, 9], 3, stride=2, pad=1),
     "conv3d_grouped": lambda: conv_case(16, 16, [3, 4, 5], 3, pad=1, group=2),
@@ -104,6 +142,8 @@ def test_blocked_conv_matches_onnxruntime(name):
     graph = optimize(import_model(model), target=host_target())
     convs = [n for n in graph.nodes if n.op == "Conv"]
     assert convs and all(n.attr("out_layout", "NCHW")[-1] == "c" for n in convs), name
+    pools = [n for n in graph.nodes if n.op in ("MaxPool", "AveragePool")]
+    assert all(n.attr("data_layout", "NCHW")[-1] == "c" for n in pools), name
     shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
     feeds = {"x": rand(*shape)}
     module = load(compiler_core.compile(model))
