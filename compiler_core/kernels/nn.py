@@ -141,7 +141,7 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         raise KernelError(f"node {node.name!r}: a grouped blocked conv reads data in its block")
     pads, strides, dilations = spatial_params(node, nsp)
     width = out.shape[-2]
-    row = nchwc_row_width(width, block, depthwise, ctx.target)
+    row = nchwc_row_width(width, block, depthwise, m // block, ctx.target)
     # Zero input past the end for the extra pixels of a padded row.
     pads = (*pads[: 2 * nsp - 1], pads[2 * nsp - 1] + (row - width) * strides[-1])
     padded = _padded(ctx, node, x, pads, 0.0, nsp=nsp)
