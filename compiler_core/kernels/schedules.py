@@ -152,13 +152,13 @@ def nchwc_conv_schedule(
     conv: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
 ) -> list[Record]:
     """Conv writing NC[D][H]W[b]c (1, 2 or 3 spatial axes): `tile` output pixels of a row (the
-    last spatial axis) x one b-channel block held in registers over the whole reduction
-    (broadcast an input value, FMA with a weight vector). Output-channel blocks go in chunks
-    of `mo_chunk`, the blocks of a chunk innermost around each tile: they reuse the tile's
-    input window from cache while their weights stay in L2 (with chunks of one block, every
-    block streams the whole input). The parallel loop is chunks x the outer spatial axes (x
-    row tiles, with `parallel=mo_y_x` or when that leaves under 4 chunks of work per core).
-    Knobs: tile, mo_chunk, the reduction order (input-channel blocks or kernel taps
+    last spatial axis) x `mo_tile` b-channel blocks held in registers over the whole reduction
+    (broadcast an input value, FMA with a weight vector per block). Output-channel blocks go
+    in chunks of `mo_chunk`, the blocks of a chunk innermost around each tile: they reuse the
+    tile's input window from cache while their weights stay in L2 (with chunks of one block,
+    every block streams the whole input). The parallel loop is chunks x the outer spatial axes
+    (x row tiles, with `parallel=mo_y_x` or when that leaves under 4 chunks of work per core).
+    Knobs: tile, mo_tile, mo_chunk, the reduction order (input-channel blocks or kernel taps
     outermost), whether the taps along the row are unrolled, the parallel loops."""
     rank = len(conv.shape)
     n_loop, mo_loop, mi_loop = conv.loop(0), conv.loop(1), conv.loop(rank - 1)
@@ -266,7 +266,9 @@ def nchwc_default_tile(
     return 0, options[0]
 
 
-def nchwc_row_width(width: int, block: int, depthwise: bool, out_blocks: int, target: Target):
+def nchwc_row_width(
+    width: int, block: int, depthwise: bool, out_blocks: int, target: Target
+) -> int:
     """Output pixels per row the blocked conv computes: `width` when a good default tile
     divides it, else `width` rounded up to the tile that wastes least (a tile costs its pixels
     plus about two pixels' worth of overhead: the zero fill and the store), so that a prime
