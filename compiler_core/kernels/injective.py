@@ -693,7 +693,10 @@ def _layout_transform(ctx: KernelContext, node: Node):
         inner = Binary("mod", channel, Const(source, INDEX))
         return x[(n, outer, *spatial, inner)]
 
-    return [compute(out.shape, body, ctx.stage_name(node))]
+    result = compute(out.shape, body, ctx.stage_name(node))
+    if source and not target:
+        ctx.note(result.name, unblock=source)  # its schedule reads whole channel blocks
+    return [result]
 
 
 KERNELS["LayoutTransform"] = _layout_transform

@@ -19,7 +19,7 @@ from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
-from compiler_core.kernels.schedules import gemm_row_tile
+from compiler_core.kernels.schedules import gemm_row_tile, nchwc_row_width
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_min, reduce_sum
 
@@ -118,67 +118,93 @@ def _conv(ctx: KernelContext, node: Node):
 
 
 def _conv_nchwc(ctx: KernelContext, node: Node):
-    """2-D convolution writing NCHW[b]c: out[n, mo, y, x, mi] (set up by the layout pass).
+    """1-D, 2-D or 3-D convolution writing NC[D][H]W[b]c: out[n, mo, *spatial, mi] (set up by
+    the layout pass).
 
     Weights are packed so the reduction reads them with unit stride, one vector of `b` output
-    channels per step: [M/b, C/ib, KH, KW, ib, b] for blocked data, [M/b, C, KH, KW, b] for
-    plain data and [M/b, KH, KW, b] for a depthwise conv (whose data is blocked too).
+    channels per step: [M/b, Cg/ib, *K, ib, b] for blocked data (plain or grouped convs),
+    [M/b, C, *K, b] for plain data and [M/b, *K, b] for a depthwise conv (whose data is
+    blocked too). A grouped conv reads the input blocks of its output block's group.
+
+    The register tile runs along the last spatial axis; when that row has no good divisor (a
+    prime length, say) the conv computes a row padded to a multiple of a good tile
+    (`nchwc_row_width`, one of the schedule's rules) over zero-padded input, and the stage that
+    adds the bias keeps the real pixels.
     """
     data_block, block = conv_layouts(node)
     x = ctx.tensor(node.inputs[0])
     weights = ctx.constant(node.inputs[1])
     out = ctx.type(node.outputs[0])
-    m, cg, kh, kw = weights.shape
-    pads, strides, dilations = spatial_params(node, 2)
-    padded = _padded(ctx, node, x, pads, 0.0, nsp=2)
-    ks = [reduce_axis(kh, "rk0"), reduce_axis(kw, "rk1")]
+    m, cg, *kernel = weights.shape
+    nsp, group = len(kernel), node.attr("group", 1)
+    depthwise = group > 1 and cg == 1 and m == group
+    if group > 1 and not depthwise and data_block != block:
+        raise KernelError(f"node {node.name!r}: a grouped blocked conv reads data in its block")
+    pads, strides, dilations = spatial_params(node, nsp)
+    width = out.shape[-2]
+    row = nchwc_row_width(width, block, depthwise, m // block, ctx.target)
+    # Zero input past the end for the extra pixels of a padded row.
+    pads = (*pads[: 2 * nsp - 1], pads[2 * nsp - 1] + (row - width) * strides[-1])
+    padded = _padded(ctx, node, x, pads, 0.0, nsp=nsp)
+    ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(kernel)]
 
-    def window(y, x_):
-        return _window_index((y, x_), ks, strides, dilations)
+    def window(spatial):
+        return _window_index(spatial, ks, strides, dilations)
 
-    depthwise = node.attr("group", 1) > 1
     if depthwise:
-        packed = np.moveaxis(weights.reshape(m // block, block, kh, kw), 1, -1)
+        packed = np.moveaxis(weights.reshape(m // block, block, *kernel), 1, -1)
         wp = ctx.packed(node.inputs[1], f"dw_oihw{block}o", packed)
 
-        def body(n, mo, y, x_, mi):
-            source = padded[(n, mo, *window(y, x_), mi)]
+        def body(n, mo, *rest):
+            *spatial, mi = rest
+            source = padded[(n, mo, *window(spatial), mi)]
             return reduce_sum(source * wp[(mo, *ks, mi)], ks)
 
     elif data_block:
-        split = weights.reshape(m // block, block, cg // data_block, data_block, kh, kw)
-        wp = ctx.packed(
-            node.inputs[1], f"oihw{data_block}i{block}o", split.transpose(0, 2, 4, 5, 3, 1)
-        )
-        rco, rci = reduce_axis(cg // data_block, "rco"), reduce_axis(data_block, "rci")
+        in_blocks = cg // data_block  # input channel blocks per group
+        out_blocks = m // group // block  # output channel blocks per group
+        split = weights.reshape(m // block, block, in_blocks, data_block, *kernel)
+        order = (0, 2, *range(4, 4 + nsp), 3, 1)
+        wp = ctx.packed(node.inputs[1], f"oihw{data_block}i{block}o", split.transpose(order))
+        rco, rci = reduce_axis(in_blocks, "rco"), reduce_axis(data_block, "rci")
 
-        def body(n, mo, y, x_, mi):
-            source = padded[(n, rco, *window(y, x_), rci)]
+        def channel(mo):
+            if group == 1:
+                return rco
+            first = Binary("floordiv", mo, Const(out_blocks, INDEX)) * Const(in_blocks, INDEX)
+            return first + rco
+
+        def body(n, mo, *rest):
+            *spatial, mi = rest
+            source = padded[(n, channel(mo), *window(spatial), rci)]
             return reduce_sum(source * wp[(mo, rco, *ks, rci, mi)], [rco, *ks, rci])
 
     else:
-        packed = np.moveaxis(weights.reshape(m // block, block, cg, kh, kw), 1, -1)
+        packed = np.moveaxis(weights.reshape(m // block, block, cg, *kernel), 1, -1)
         wp = ctx.packed(node.inputs[1], f"oihw{block}o", packed)
         rc = reduce_axis(cg, "rc")
 
-        def body(n, mo, y, x_, mi):
-            source = padded[(n, rc, *window(y, x_))]
+        def body(n, mo, *rest):
+            *spatial, mi = rest
+            source = padded[(n, rc, *window(spatial))]
             return reduce_sum(source * wp[(mo, rc, *ks, mi)], [rc, *ks])
 
-    conv = compute(out.shape, body, ctx.stage_name(node), out.dtype)
+    shape = (*out.shape[:-2], row, block)
+    conv = compute(shape, body, ctx.stage_name(node), out.dtype)
     ctx.note(conv.name, layout="nchwc_depthwise" if depthwise else "nchwc", block=block)
-    if not (len(node.inputs) > 2 and node.inputs[2]):
+    has_bias = len(node.inputs) > 2 and node.inputs[2]
+    if not has_bias and row == width:
         return [conv]
-    bias = ctx.packed(
-        node.inputs[2], f"bias{block}", ctx.constant(node.inputs[2]).reshape(m // block, block)
-    )
-    return [
-        compute(
-            out.shape,
-            lambda n, mo, y, x_, mi: conv[(n, mo, y, x_, mi)] + bias[(mo, mi)],
-            ctx.stage_name(node),
-        )
-    ]
+    bias = None
+    if has_bias:
+        values = ctx.constant(node.inputs[2]).reshape(m // block, block)
+        bias = ctx.packed(node.inputs[2], f"bias{block}", values)
+
+    def result(n, mo, *rest):
+        value = conv[(n, mo, *rest)]
+        return value + bias[(mo, rest[-1])] if bias is not None else value
+
+    return [compute(out.shape, result, ctx.stage_name(node))]
 
 
 def panel_width(columns: int, lanes: int) -> int:

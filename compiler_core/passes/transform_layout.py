@@ -1,24 +1,27 @@
-"""Layout transformation: chains of 2-D convolutions keep their activations in NCHW[b]c.
+"""Layout transformation: chains of convolutions keep their activations in NC[D][H]W[b]c.
 
-A CPU convolution vectorizes over 16 output channels; with plain NCHW activations every
+A CPU convolution vectorizes over one vector of output channels; with plain activations every
 vector of a depthwise convolution is a gather, and every conv reads its input with a stride
-of H*W between channels. This pass gives each eligible Conv blocked outputs (`out_layout`),
-lets it read blocked data when its producer already made them (`data_layout`), carries the
-blocked layout through the elementwise ops and 2-D pooling in between (Relu, Clip, a
-residual Add, MaxPool...) and inserts a `LayoutTransform` only where a consumer needs plain
-NCHW: at the edges of a chain.
+of the spatial size between channels. This pass gives each eligible Conv blocked outputs
+(`out_layout`), lets it read blocked data when its producer already made them (`data_layout`),
+carries the blocked layout through the elementwise ops and pooling in between (Relu, GELU,
+Clip, a residual Add, MaxPool...) and inserts a `LayoutTransform` only where a consumer needs
+plain data: at the edges of a chain. 1-D (NCW[b]c), 2-D (NCHW[b]c) and 3-D (NCDHW[b]c)
+convolutions are all blocked the same way.
 
-Eligible: float32 2-D Conv with a constant weight, output channels a multiple of 8, and
-either no groups or a depthwise grouping (one input and one output channel per group). The
-block is 16 (a zmm register of float32) where the channels allow, else 8; a conv reads its
-data in whatever block its producer wrote.
+Eligible: float32 1-D, 2-D or 3-D Conv with a constant weight, output channels a multiple of
+8, and no groups, a depthwise grouping (one input and one output channel per group), or
+groups whose input and output channels per group are multiples of the block. The block is one
+vector register of float32 where the channels allow, else 8. A plain conv reads its data in
+whatever block its producer wrote; a grouped one reads it in its own block, so that every
+input block belongs to one group.
 """
 
 from __future__ import annotations
 
 from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
-from compiler_core.graph.ops.layout import PLAIN, blocked_layout
+from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
@@ -59,15 +62,19 @@ class _Rewriter:
             self.plain.add(value)
         return value
 
+    def _layout(self, value: str, block: int) -> str:
+        """The name of `value`'s layout in `block` (from the rank of its plain form)."""
+        return blocked_layout(block, self.graph.types[value].rank)
+
     def _transform(self, source: str, from_block: int, to_block: int, value: str, output=None):
-        target = blocked_layout(to_block)
+        target = self._layout(value, to_block)
         output = output or self.fresh.unique(f"{value}_{target.lower()}")
         node = Node(
             "LayoutTransform",
             self.fresh.unique(f"{value}_to_{target.lower()}"),
             (source,),
             (output,),
-            {"src_layout": blocked_layout(from_block), "dst_layout": target},
+            {"src_layout": self._layout(value, from_block), "dst_layout": target},
         )
         self._emit(node)
         return output
@@ -82,7 +89,7 @@ class _Rewriter:
 
     def _produce_blocked(self, node: Node, inputs: tuple[str, ...], block: int, attrs=None):
         out = node.outputs[0]
-        twin = self.fresh.unique(f"{out}_{blocked_layout(block).lower()}")
+        twin = self.fresh.unique(f"{out}_{self._layout(out, block).lower()}")
         self.blocked[out] = {block: twin}
         changes = {"inputs": inputs, "outputs": (twin, *node.outputs[1:])}
         if attrs is not None:
@@ -102,7 +109,7 @@ class _Rewriter:
             self._blocked_elementwise(node, self._carried_block(node))
         elif self._pool_block(node):
             block = self._pool_block(node)
-            attrs = {**node.attr_dict, "data_layout": blocked_layout(block)}
+            attrs = {**node.attr_dict, "data_layout": self._layout(node.inputs[0], block)}
             self._produce_blocked(node, (self.blocked[node.inputs[0]][block],), block, attrs)
         elif self._concat_block(node):
             block = self._concat_block(node)
@@ -115,15 +122,15 @@ class _Rewriter:
 
     def _blocked_conv(self, node: Node, block: int) -> None:
         x = node.inputs[0]
-        # A depthwise conv reads data in its own block; any other conv reads data in the
-        # block its producer wrote, or plain.
-        depthwise = node.attr("group", 1) > 1
-        data_block = block if depthwise else self._block_available(x)
+        # A grouped (or depthwise) conv reads data in its own block; any other conv reads data
+        # in the block its producer wrote, or plain.
+        grouped = node.attr("group", 1) > 1
+        data_block = block if grouped else self._block_available(x)
         data = self.as_blocked(x, data_block) if data_block else self.as_plain(x)
         attrs = {
             **node.attr_dict,
-            "data_layout": blocked_layout(data_block),
-            "out_layout": blocked_layout(block),
+            "data_layout": self._layout(x, data_block),
+            "out_layout": self._layout(node.outputs[0], block),
         }
         self._produce_blocked(node, (data, *node.inputs[1:]), block, attrs)
 
@@ -137,15 +144,16 @@ class _Rewriter:
             return 0
         shape = self.graph.types[node.outputs[0]].shape
         data = self._data_inputs(node)
-        if len(shape) != 4 or not all(self.graph.types[v].shape == shape for v in data):
+        same_shape = all(self.graph.types[v].shape == shape for v in data)
+        if len(shape) - 2 not in SPATIAL or not same_shape:
             return 0
         block = next((self._block_available(v) for v in data if v in self.blocked), 0)
         return block if block and shape[1] % block == 0 else 0
 
     def _pool_block(self, node: Node) -> int:
-        """Max and average pooling over H and W run in the block of their blocked input
+        """Max and average pooling over the spatial axes run in the block of their blocked input
         (MaxPool's Indices output, which counts plain positions, keeps a pool plain)."""
-        if node.op not in POOLS or any(node.outputs[1:]) or len(node.attr("kernel_shape")) != 2:
+        if node.op not in POOLS or any(node.outputs[1:]):
             return 0
         return self._block_available(node.inputs[0])
 
@@ -175,12 +183,14 @@ def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
     if node.op != "Conv" or node.attr("out_layout", PLAIN) != PLAIN:
         return 0
     x, w = graph.types[node.inputs[0]], graph.types[node.inputs[1]]
-    if x.rank != 4 or x.dtype != "float32" or node.inputs[1] not in graph.constants:
+    if x.rank - 2 not in SPATIAL or x.dtype != "float32" or node.inputs[1] not in graph.constants:
         return 0
     group, out_channels = node.attr("group", 1), w.shape[0]
-    if not (group == 1 or group == x.shape[1] == out_channels):
-        return 0
-    return next((b for b in blocks if out_channels % b == 0), 0)
+    if group == 1 or group == x.shape[1] == out_channels:
+        return next((b for b in blocks if out_channels % b == 0), 0)
+    # Grouped: every channel block lies inside one group, on the input side and the output.
+    in_per_group, out_per_group = w.shape[1], out_channels // group
+    return next((b for b in blocks if in_per_group % b == 0 and out_per_group % b == 0), 0)
 
 
 def run(graph: Graph, lanes: int = 16) -> Graph:

@@ -105,8 +105,8 @@ def test_blocked_value_that_is_also_an_output_keeps_its_name():
 
 @pytest.mark.parametrize(
     "channels, group",
-    [(12, 1), (16, 2)],
-    ids=["channels_not_a_multiple_of_8", "grouped_not_depthwise"],
+    [(12, 1), (16, 4)],
+    ids=["channels_not_a_multiple_of_8", "group_channels_not_a_multiple_of_8"],
 )
 def test_ineligible_convs_are_left_alone(channels, group):
     model = make_model(
@@ -136,8 +136,10 @@ def test_block_helpers_round_trip():
     np.testing.assert_array_equal(blocked[1, 1, 2, 4], x[1, 16:, 2, 4])
     np.testing.assert_array_equal(to_plain(blocked, 16), x)
     assert block_of("NCHW8c") == 8 and block_of("NCHW") == 0
-    with pytest.raises(ValueError, match="unknown activation layout"):
-        block_of("NHWC")
+    assert block_of("NCW16c") == 16 and block_of("NCDHW8c") == 8 and block_of("NCW") == 0
+    for bad in ("NHWC", "NCW0c", "NCHWc"):
+        with pytest.raises(ValueError, match="unknown activation layout"):
+            block_of(bad)
 
 
 @pytest.mark.parametrize("features, block", [("+avx512f,+avx2,+fma", 16), ("+avx2,+fma", 8)])
@@ -213,4 +215,115 @@ def test_concat_whose_channels_split_a_block_stays_plain():
     after = transform_layout.run(before)
     join = next(n for n in after.nodes if n.op == "Concat")
     assert after.types[join.outputs[0]].rank == 4
+    assert_same_function(before, after)
+
+
+def gelu_nodes(x, y, prefix):
+    """GELU as exported by PyTorch (x * 0.5 * (1 + erf(x / sqrt 2))): scalar operands only."""
+    return [
+        helper.make_node("Div", [x, "sqrt2"], [f"{prefix}_d"], name=f"{prefix}_div"),
+        helper.make_node("Erf", [f"{prefix}_d"], [f"{prefix}_e"], name=f"{prefix}_erf"),
+        helper.make_node("Add", [f"{prefix}_e", "one"], [f"{prefix}_a"], name=f"{prefix}_add"),
+        helper.make_node("Mul", [x, f"{prefix}_a"], [f"{prefix}_m"], name=f"{prefix}_mul"),
+        helper.make_node("Mul", [f"{prefix}_m", "half"], [y], name=f"{prefix}_half"),
+    ]
+
+
+GELU_CONSTANTS = {
+    "sqrt2": np.array(np.sqrt(2.0), np.float32),
+    "one": np.array(1.0, np.float32),
+    "half": np.array(0.5, np.float32),
+}
+
+
+def test_1d_chain_stays_blocked_through_gelu_and_pooling():
+    """wav2vec2's feature extractor: strided Conv1d -> GELU -> Conv1d -> GELU, plus a grouped
+    Conv1d and a MaxPool over the row: one transform, at the end."""
+    model = make_model(
+        [
+            conv("c1", "x", "w1", "a", kernel_shape=[10], strides=[5]),
+            *gelu_nodes("a", "g1", "g1"),
+            conv("c2", "g1", "w2", "b", kernel_shape=[3], strides=[2]),
+            *gelu_nodes("b", "g2", "g2"),
+            conv("c3", "g2", "w3", "c", kernel_shape=[5], pads=[2, 2], group=2),
+            helper.make_node("MaxPool", ["c"], ["y"], name="pool", kernel_shape=[2], strides=[2]),
+        ],
+        [("x", FLOAT, [1, 1, 203])],
+        [("y", FLOAT, [1, 32, 9])],
+        {
+            "w1": rand(32, 1, 10),
+            "w2": rand(32, 32, 3),
+            "w3": rand(32, 16, 5),
+            **GELU_CONSTANTS,
+        },
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before)
+    assert layouts(after) == [
+        ("c1", "NCW", "NCW16c"),
+        ("c2", "NCW16c", "NCW16c"),
+        ("c3", "NCW16c", "NCW16c"),
+    ]
+    transforms = [n for n in after.nodes if n.op == "LayoutTransform"]
+    assert [(n.attr("src_layout"), n.attr("dst_layout")) for n in transforms] == [("NCW16c", "NCW")]
+    assert transforms[0].outputs == ("y",)
+    assert next(n for n in after.nodes if n.op == "MaxPool").attr("data_layout") == "NCW16c"
+    assert all(
+        len(after.types[v].shape) == 4 for n in after.nodes if n.op == "Erf" for v in n.outputs
+    )
+    assert_same_function(before, after)
+
+
+def test_3d_chain_stays_blocked():
+    """Conv3d (padded, strided) -> Relu -> AveragePool3d -> Conv3d -> residual Add."""
+    model = make_model(
+        [
+            conv("c1", "x", "w1", "a", pads=[1] * 6, strides=[1, 2, 2]),
+            helper.make_node("Relu", ["a"], ["r"], name="relu"),
+            helper.make_node(
+                "AveragePool",
+                ["r"],
+                ["p"],
+                name="pool",
+                kernel_shape=[2, 2, 2],
+                pads=[0, 0, 0, 1, 1, 1],
+            ),
+            conv("c2", "p", "w2", "b", pads=[0, 1, 1, 0, 1, 1], kernel_shape=[1, 3, 3]),
+            helper.make_node("Add", ["b", "p"], ["y"], name="add"),
+        ],
+        [("x", FLOAT, [1, 3, 4, 7, 9])],
+        [("y", FLOAT, [1, 8, 4, 4, 5])],
+        {"w1": rand(8, 3, 3, 3, 3), "w2": rand(8, 8, 1, 3, 3)},
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before, lanes=8)
+    assert layouts(after) == [("c1", "NCDHW", "NCDHW8c"), ("c2", "NCDHW8c", "NCDHW8c")]
+    transforms = [n for n in after.nodes if n.op == "LayoutTransform"]
+    assert [(n.attr("src_layout"), n.attr("dst_layout")) for n in transforms] == [
+        ("NCDHW8c", "NCDHW")
+    ]
+    assert_same_function(before, after)
+
+
+def test_grouped_conv_reads_its_own_block():
+    """A grouped conv (8 channels per group) after a 16-channel block converts its input to
+    blocks of 8, so that every input block lies in one group."""
+    model = make_model(
+        [
+            conv("c1", "x", "w1", "a", pads=[1, 1, 1, 1]),
+            conv("c2", "a", "w2", "y", pads=[1, 1, 1, 1], group=4),
+        ],
+        [("x", FLOAT, [1, 4, 6, 5])],
+        [("y", FLOAT, [1, 32, 6, 5])],
+        {"w1": rand(32, 4, 3, 3), "w2": rand(32, 8, 3, 3)},
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before)
+    assert layouts(after) == [("c1", "NCHW", "NCHW16c"), ("c2", "NCHW8c", "NCHW8c")]
+    transforms = [
+        (n.attr("src_layout"), n.attr("dst_layout"))
+        for n in after.nodes
+        if n.op == "LayoutTransform"
+    ]
+    assert transforms == [("NCHW16c", "NCHW8c"), ("NCHW8c", "NCHW")]
     assert_same_function(before, after)

@@ -1,8 +1,9 @@
 """Blocked activation layouts: NCHW[b]c, the layout CPU convolutions keep between them.
 
-A layout is a string: "NCHW" (plain) or "NCHW16c" (channels split into blocks of 16, the
-block innermost: [N, C/16, H, W, 16]). `LayoutTransform` converts a value between the two;
-the layout pass inserts it only at the edges of a chain of blocked convolutions.
+A layout is a string: plain "NCW", "NCHW" or "NCDHW" (1, 2 or 3 spatial axes), or blocked
+"NCW16c", "NCHW16c", "NCDHW16c" (channels split into blocks of 16, the block innermost:
+[N, C/16, *spatial, 16]). `LayoutTransform` converts a value between the two; the layout
+pass inserts it only at the edges of a chain of blocked convolutions.
 """
 
 from __future__ import annotations
@@ -15,21 +16,29 @@ from compiler_core.graph.ir import OpKind, TensorType
 from compiler_core.graph.ops.base import OpDef, ShapeError, opdef
 
 PLAIN = "NCHW"
-_BLOCKED = re.compile(r"^NCHW(\d+)c$")
+# Spatial axes by their count: the letters after "NC" in a layout's name.
+SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
+_LAYOUT = re.compile(r"^NC(W|HW|DHW)(?:(\d+)c)?$")
 
 
 def block_of(layout: str) -> int:
-    """Channels per block of `layout` (0 for plain NCHW)."""
-    if layout == PLAIN:
-        return 0
-    match = _BLOCKED.match(layout)
-    if not match or int(match.group(1)) < 1:
-        raise ShapeError(f"unknown activation layout {layout!r} (expected NCHW or NCHW<b>c)")
-    return int(match.group(1))
+    """Channels per block of `layout` (0 for a plain one: NCW, NCHW, NCDHW)."""
+    match = _LAYOUT.match(layout)
+    if not match or (match.group(2) is not None and int(match.group(2)) < 1):
+        raise ShapeError(
+            f"unknown activation layout {layout!r} (expected NCW, NCHW or NCDHW, plain or "
+            "with a channel block such as NCHW8c)"
+        )
+    return int(match.group(2) or 0)
 
 
-def blocked_layout(block: int) -> str:
-    return f"NCHW{block}c" if block else PLAIN
+def blocked_layout(block: int, rank: int = 4) -> str:
+    """The name of the layout with `block` channels per block (0: plain) for data of `rank`
+    axes in plain form ([N, C, *spatial])."""
+    if rank - 2 not in SPATIAL:
+        raise ShapeError(f"no activation layout for {rank}-D data (1 to 3 spatial axes)")
+    name = f"NC{SPATIAL[rank - 2]}"
+    return f"{name}{block}c" if block else name
 
 
 def blocked_shape(shape, block: int) -> tuple[int, ...]:
