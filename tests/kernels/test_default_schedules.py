@@ -115,6 +115,30 @@ def blocked_pools_model():
     )
 
 
+def blocked_1d_chain_model():
+    """Conv1d (1 input channel, stride 2, 19 outputs: a prime row, padded to whole register
+    tiles) -> Relu -> grouped Conv1d reading NCW8c."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="stem", strides=[2]),
+            helper.make_node("Relu", ["a"], ["r"], name="relu"),
+            helper.make_node("Conv", ["r", "wb"], ["y"], name="grouped", group=2, pads=[1, 1]),
+        ],
+        [("x", FLOAT, [1, 1, 41])],
+        [("y", FLOAT, [1, 16, 19])],
+        {"wa": w(16, 1, 5), "ba": w(16), "wb": w(16, 8, 3)},
+    )
+
+
+def blocked_3d_model():
+    return make_model(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv3d", pads=[1] * 6)],
+        [("x", FLOAT, [1, 8, 3, 4, 5])],
+        [("y", FLOAT, [1, 16, 3, 4, 5])],
+        {"w": w(16, 8, 3, 3, 3), "b": w(16)},
+    )
+
+
 def gemm_model(m, k, n):
     return make_model(
         [
@@ -181,6 +205,8 @@ MODELS = {
     "conv_depthwise_nchw": lambda: conv_model(12, 12, 12, 3, 2, [1, 1, 1, 1]),
     "conv_blocked_chain": blocked_chain_model,
     "pools_blocked": blocked_pools_model,
+    "conv1d_blocked_chain": blocked_1d_chain_model,
+    "conv3d_blocked": blocked_3d_model,
     "conv_grouped": lambda: conv_model(6, 6, 2, 3, 1, [1, 1, 1, 1], epilogue=False),
     "conv_residual": residual_model,
     "gemm_bias_relu": lambda: gemm_model(12, 20, 64),
