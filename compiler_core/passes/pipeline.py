@@ -12,6 +12,7 @@ from collections.abc import Callable
 from compiler_core.graph.ir import Graph
 from compiler_core.graph.verify import verify
 from compiler_core.passes import (
+    decompose_conv_transpose,
     eliminate_common_subexpressions,
     eliminate_dead_code,
     eliminate_identity,
@@ -39,6 +40,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("eliminate_common_subexpressions", eliminate_common_subexpressions.run),
     ("eliminate_identity_again", eliminate_identity.run),
     ("eliminate_dead_code", eliminate_dead_code.run),
+    ("decompose_conv_transpose", decompose_conv_transpose.run),
     ("transform_layout", transform_layout.run),
     ("fuse_operators", fuse_operators.run),
 )

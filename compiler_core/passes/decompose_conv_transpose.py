@@ -1,0 +1,178 @@
+"""ConvTranspose as one ordinary convolution plus an interleave (stride-phase decomposition).
+
+A transposed convolution with stride s scatters each input pixel times the kernel onto the
+output at s-spaced positions. Output position j = q*s + r (phase r in [0, s)) only ever
+receives kernel taps k = r + t*s, from input pixel q - t:
+
+    canvas[q*s + r] = sum_t x[q - t] * w[r + t*s]
+
+For each phase that is a stride-1 correlation of x with the phase's taps, flipped and padded
+to T = ceil(k/s) taps (a zero tap where a phase has fewer). All s^d phases share the input,
+so they become ONE Conv whose M * s^d output channels are ordered (m, phase): the heavy work
+runs on the blocked conv path, with no zero-stuffed input and no multiply by a zero tap
+beyond the ceil. A DepthToSpace-like Reshape/Transpose/Reshape interleaves the phases into
+the output canvas and a Slice crops pads and output_padding (both one injective kernel after
+fusion). Input positions outside x read zero through the conv's padding, which is also what
+negative pads (an oversized output_shape) and output_padding need: their margins are zero
+plus bias.
+
+Dilated kernels keep the ConvTranspose node and its direct kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from compiler_core.graph.ir import Graph, NameGenerator, Node, TensorType
+
+NAME = "decompose_conv_transpose"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axis:
+    """One spatial axis of the decomposition."""
+
+    stride: int
+    taps: int  # T: kernel taps per phase
+    start: int  # first phase-grid row q the conv computes
+    rows: int  # Q: phase-grid rows the conv computes
+    crop: int  # where the output starts in the interleaved canvas
+
+
+def _axis(size: int, kernel: int, stride: int, pad_begin: int, out: int) -> _Axis:
+    taps = -(-kernel // stride)
+    first = pad_begin // stride  # q of output position 0 (floor: pads may be negative)
+    last = (pad_begin + out - 1) // stride
+    # Conv pads cannot be negative: compute from q = T-1 at the latest and to q = size-1 at
+    # the earliest, and crop whatever extra rows that gives.
+    start, end = min(first, taps - 1), max(last, size - 1)
+    return _Axis(stride, taps, start, end - start + 1, pad_begin - start * stride)
+
+
+def _conv_pads(size: int, axis: _Axis) -> tuple[int, int]:
+    begin = axis.taps - 1 - axis.start
+    # rows = size + begin + end - taps + 1
+    return begin, axis.rows - size - begin + axis.taps - 1
+
+
+def phase_weight(w: np.ndarray, strides, group: int) -> np.ndarray:
+    """ConvTranspose weight (C, M/g, *k) -> Conv weight (M * S, C/g, *T), S = prod(strides).
+
+    Output channel (m, phase r) at tap u holds w[..., r + (T-1-u)*s] per axis, zero where
+    that index passes the kernel's end.
+    """
+    channels, per_group, *kernel = w.shape
+    nsp = len(kernel)
+    taps = [-(-k // s) for k, s in zip(kernel, strides, strict=True)]
+    padded = np.zeros((channels, per_group, *[t * s for t, s in zip(taps, strides)]), w.dtype)
+    padded[(slice(None), slice(None), *[slice(0, k) for k in kernel])] = w
+    # kernel index k = t*s + r: split each axis into (t, r), then flip t (u = T-1-t).
+    split = padded.reshape(
+        group, channels // group, per_group, *[d for t, s in zip(taps, strides) for d in (t, s)]
+    )
+    t_axes = [3 + 2 * i for i in range(nsp)]
+    r_axes = [4 + 2 * i for i in range(nsp)]
+    flipped = np.flip(split, axis=tuple(t_axes))
+    # (group, C/g, M/g, T1, s1, ...) -> (group, M/g, s1.., C/g, T1..)
+    moved = flipped.transpose(0, 2, *r_axes, 1, *t_axes)
+    phases = math.prod(strides)
+    return np.ascontiguousarray(
+        moved.reshape(group * per_group * phases, channels // group, *taps)
+    )
+
+
+class _Rewriter:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.constants = dict(graph.constants)
+        self.types = dict(graph.types)
+        self.fresh = NameGenerator(graph.names())
+        self.nodes: list[Node] = []
+
+    def constant(self, array: np.ndarray, prefix: str) -> str:
+        name = self.fresh(prefix)
+        self.constants[name] = array
+        self.types[name] = TensorType.of(array)
+        return name
+
+    def emit(self, op: str, name: str, inputs, out_shape, dtype, output=None, **attrs) -> str:
+        output = output or self.fresh(f"{name}_out")
+        self.types[output] = TensorType(tuple(out_shape), dtype)
+        self.nodes.append(Node(op, self.fresh(name), tuple(inputs), (output,), attrs))
+        return output
+
+    def visit(self, node: Node) -> None:
+        if _eligible(self.graph, node):
+            self.decompose(node)
+        else:
+            self.nodes.append(node)
+
+    def decompose(self, node: Node) -> None:
+        x, w_name = node.inputs[0], node.inputs[1]
+        bias = node.inputs[2] if len(node.inputs) > 2 else ""
+        out_type = self.types[node.outputs[0]]
+        w = self.graph.constants[w_name]
+        strides, pads, group = node.attr("strides"), node.attr("pads"), node.attr("group", 1)
+        n, _, *in_spatial = self.types[x].shape
+        out_spatial = out_type.shape[2:]
+        nsp, phases = len(in_spatial), math.prod(strides)
+        axes = [
+            _axis(in_spatial[i], w.shape[2 + i], strides[i], pads[i], out_spatial[i])
+            for i in range(nsp)
+        ]
+        conv_pads = [_conv_pads(in_spatial[i], a) for i, a in enumerate(axes)]
+        inputs = [x, self.constant(phase_weight(w, strides, group), f"{node.name}_phase_weight")]
+        if bias:
+            b = self.graph.constants[bias]
+            inputs.append(self.constant(np.repeat(b, phases), f"{node.name}_phase_bias"))
+        canvas = [a.rows * a.stride for a in axes]
+        exact = phases == 1 and not any(a.crop for a in axes) and canvas == list(out_spatial)
+        phase_grid = self.emit(
+            "Conv",
+            f"{node.name}_phases",
+            inputs,
+            (n, out_type.shape[1] * phases, *[a.rows for a in axes]),
+            out_type.dtype,
+            output=node.outputs[0] if exact else None,
+            pads=tuple(p[0] for p in conv_pads) + tuple(p[1] for p in conv_pads),
+            strides=(1,) * nsp,
+            dilations=(1,) * nsp,
+            group=group,
+        )
+        if exact:
+            return
+        # One injective op interleaves the phases and crops (a plain crop at stride 1).
+        self.emit(
+            "InterleavePhases",
+            f"{node.name}_interleave",
+            [phase_grid],
+            out_type.shape,
+            out_type.dtype,
+            output=node.outputs[0],
+            strides=tuple(strides),
+            starts=tuple(a.crop for a in axes),
+            output_shape=tuple(out_spatial),
+        )
+
+
+def _eligible(graph: Graph, node: Node) -> bool:
+    """Constant weight and bias, no dilation: the weights can be rearranged at build time."""
+    if node.op != "ConvTranspose" or node.inputs[1] not in graph.constants:
+        return False
+    if len(node.inputs) > 2 and node.inputs[2] and node.inputs[2] not in graph.constants:
+        return False
+    return all(d == 1 for d in node.attr("dilations"))
+
+
+def run(graph: Graph) -> Graph:
+    if not any(_eligible(graph, node) for node in graph.nodes):
+        return graph
+    rewriter = _Rewriter(graph)
+    for node in graph.nodes:
+        rewriter.visit(node)
+    return graph.replace(
+        nodes=tuple(rewriter.nodes), constants=rewriter.constants, types=rewriter.types
+    )
