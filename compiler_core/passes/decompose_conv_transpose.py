@@ -10,11 +10,12 @@ For each phase that is a stride-1 correlation of x with the phase's taps, flippe
 to T = ceil(k/s) taps (a zero tap where a phase has fewer). All s^d phases share the input,
 so they become ONE Conv whose M * s^d output channels are ordered (m, phase): the heavy work
 runs on the blocked conv path, with no zero-stuffed input and no multiply by a zero tap
-beyond the ceil. A DepthToSpace-like Reshape/Transpose/Reshape interleaves the phases into
-the output canvas and a Slice crops pads and output_padding (both one injective kernel after
-fusion). Input positions outside x read zero through the conv's padding, which is also what
-negative pads (an oversized output_shape) and output_padding need: their margins are zero
-plus bias.
+beyond the ceil. One injective InterleavePhases op (a DepthToSpace with a crop) puts the
+phases in place and crops pads and output_padding; with direct per-element index math its
+vectorized copy compiles to constant-offset loads, and fusion folds the layout transform
+back from the conv's blocked output into it. Input positions outside x read zero through
+the conv's padding, which is also what negative pads (an oversized output_shape) and
+output_padding need: their margins are zero plus bias.
 
 Dilated kernels keep the ConvTranspose node and its direct kernel.
 """
@@ -33,13 +34,22 @@ NAME = "decompose_conv_transpose"
 
 @dataclasses.dataclass(frozen=True)
 class _Axis:
-    """One spatial axis of the decomposition."""
+    """One spatial axis of the decomposition: the conv computes phase-grid rows
+    q = start .. start + rows - 1 (conv output row a is q = start + a) and the output begins
+    at canvas position `crop` of the interleaved rows."""
 
+    size: int  # input length
     stride: int
-    taps: int  # T: kernel taps per phase
-    start: int  # first phase-grid row q the conv computes
-    rows: int  # Q: phase-grid rows the conv computes
-    crop: int  # where the output starts in the interleaved canvas
+    taps: int  # T = ceil(k / s): kernel taps per phase
+    start: int
+    rows: int
+    crop: int
+
+    @property
+    def conv_pads(self) -> tuple[int, int]:
+        """Row a reads x[start + a - (T-1) + u]; rows = size + begin + end - T + 1."""
+        begin = self.taps - 1 - self.start
+        return begin, self.rows - self.size - begin + self.taps - 1
 
 
 def _axis(size: int, kernel: int, stride: int, pad_begin: int, out: int) -> _Axis:
@@ -49,13 +59,7 @@ def _axis(size: int, kernel: int, stride: int, pad_begin: int, out: int) -> _Axi
     # Conv pads cannot be negative: compute from q = T-1 at the latest and to q = size-1 at
     # the earliest, and crop whatever extra rows that gives.
     start, end = min(first, taps - 1), max(last, size - 1)
-    return _Axis(stride, taps, start, end - start + 1, pad_begin - start * stride)
-
-
-def _conv_pads(size: int, axis: _Axis) -> tuple[int, int]:
-    begin = axis.taps - 1 - axis.start
-    # rows = size + begin + end - taps + 1
-    return begin, axis.rows - size - begin + axis.taps - 1
+    return _Axis(size, stride, taps, start, end - start + 1, pad_begin - start * stride)
 
 
 def phase_weight(w: np.ndarray, strides, group: int) -> np.ndarray:
@@ -66,22 +70,19 @@ def phase_weight(w: np.ndarray, strides, group: int) -> np.ndarray:
     """
     channels, per_group, *kernel = w.shape
     nsp = len(kernel)
-    taps = [-(-k // s) for k, s in zip(kernel, strides, strict=True)]
-    padded = np.zeros((channels, per_group, *[t * s for t, s in zip(taps, strides)]), w.dtype)
+    pairs = [(-(-k // s), s) for k, s in zip(kernel, strides, strict=True)]  # (T, s)
+    taps = [t for t, _ in pairs]
+    padded = np.zeros((channels, per_group, *[t * s for t, s in pairs]), w.dtype)
     padded[(slice(None), slice(None), *[slice(0, k) for k in kernel])] = w
     # kernel index k = t*s + r: split each axis into (t, r), then flip t (u = T-1-t).
-    split = padded.reshape(
-        group, channels // group, per_group, *[d for t, s in zip(taps, strides) for d in (t, s)]
-    )
+    split = padded.reshape(group, channels // group, per_group, *[d for p in pairs for d in p])
     t_axes = [3 + 2 * i for i in range(nsp)]
     r_axes = [4 + 2 * i for i in range(nsp)]
     flipped = np.flip(split, axis=tuple(t_axes))
     # (group, C/g, M/g, T1, s1, ...) -> (group, M/g, s1.., C/g, T1..)
     moved = flipped.transpose(0, 2, *r_axes, 1, *t_axes)
     phases = math.prod(strides)
-    return np.ascontiguousarray(
-        moved.reshape(group * per_group * phases, channels // group, *taps)
-    )
+    return np.ascontiguousarray(moved.reshape(group * per_group * phases, channels // group, *taps))
 
 
 class _Rewriter:
@@ -123,7 +124,7 @@ class _Rewriter:
             _axis(in_spatial[i], w.shape[2 + i], strides[i], pads[i], out_spatial[i])
             for i in range(nsp)
         ]
-        conv_pads = [_conv_pads(in_spatial[i], a) for i, a in enumerate(axes)]
+        conv_pads = [a.conv_pads for a in axes]
         inputs = [x, self.constant(phase_weight(w, strides, group), f"{node.name}_phase_weight")]
         if bias:
             b = self.graph.constants[bias]

@@ -124,7 +124,8 @@ def _interleave_phases(node, inputs):
     split = x.reshape(n, channels // math.prod(strides), *strides, *rows)
     # (n, m, s1.., Q1..) -> (n, m, Q1, s1, Q2, s2, ..)
     perm = (0, 1, *[d for i in range(nsp) for d in (2 + nsp + i, 2 + i)])
-    canvas = split.transpose(perm).reshape(n, split.shape[1], *[q * s for q, s in zip(rows, strides)])
+    canvas_shape = [q * s for q, s in zip(rows, strides, strict=True)]
+    canvas = split.transpose(perm).reshape(n, split.shape[1], *canvas_shape)
     crop = tuple(slice(b, b + size) for b, size in zip(starts, out_spatial, strict=True))
     return [np.ascontiguousarray(canvas[(slice(None), slice(None), *crop)])]
 
