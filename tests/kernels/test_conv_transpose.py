@@ -5,9 +5,10 @@ runtime weights keep."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import compiler_core
 from compiler_core.frontend.onnx import import_model
@@ -100,3 +101,34 @@ def test_phase_conv_rides_the_blocked_path():
     assert not any(n.op == "ConvTranspose" for n in graph.nodes)
     kinds = {tuple(graph.node_by_name[n].op for n in g.nodes) for g in graph.groups}
     assert ("LayoutTransform", "InterleavePhases") in kinds
+
+
+def _node_test_cases():
+    from tests.conformance.suite import generate
+
+    return sorted(p.name for p in generate().glob("test_convtranspose*"))
+
+
+@pytest.mark.parametrize("case", _node_test_cases())
+def test_onnx_node_tests_with_constant_weights(case):
+    """The ONNX ConvTranspose node tests pass the weight as an input, which keeps the direct
+    kernel; as an initializer (a trained model's weight) it takes the phase Conv path."""
+    from tests.conformance.suite import generate
+
+    folder = generate() / case
+    model = onnx.load(str(folder / "model.onnx"))
+    data = folder / "test_data_set_0"
+    inputs = [numpy_helper.to_array(onnx.load_tensor(str(p))) for p in sorted(data.glob("input_*"))]
+    expected = numpy_helper.to_array(onnx.load_tensor(str(data / "output_0.pb")))
+    graph = model.graph
+    weight = graph.input[1]
+    graph.initializer.append(numpy_helper.from_array(inputs[1], weight.name))
+    graph.input.remove(weight)
+    feeds = {graph.input[0].name: inputs[0]}
+    if len(graph.input) > 1:
+        feeds[graph.input[1].name] = inputs[2]
+    decomposes = "dilations" not in case
+    ops = {n.op for n in optimize(import_model(model)).nodes}
+    assert ("ConvTranspose" not in ops) == decomposes
+    actual = load(compiler_core.compile(model)).run(feeds)[graph.output[0].name]
+    assert_close_to_scale(actual, expected, label=case)
