@@ -210,6 +210,7 @@ CASES: dict[str, Case] = {
         conv("conv2d_c58", "conv2d", 58, 58, [28, 28], 1, description="ShuffleNet 1x1, 58 ch"),
         group_norm("groupnorm", [1, 512, 49], 32, description="wav2vec2 first layer"),
         matmul("matmul_m197", [197, 768], [768, 768], True, description="ViT projection"),
+        conv_transpose("convT1d_k16s8", 512, 256, [32], 16, 8, 4, description="HiFi-GAN up"),
     ]
 }
 

@@ -30,6 +30,8 @@ import numpy as np
 from compiler_core.graph.ir import Graph, NameGenerator, Node, TensorType
 
 NAME = "decompose_conv_transpose"
+# Lift 1-D transposed convolutions to 2-D (unit H) so that their phase Conv is blocked.
+LIFT_1D = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +116,20 @@ class _Rewriter:
     def decompose(self, node: Node) -> None:
         x, w_name = node.inputs[0], node.inputs[1]
         bias = node.inputs[2] if len(node.inputs) > 2 else ""
-        out_type = self.types[node.outputs[0]]
         w = self.graph.constants[w_name]
-        strides, pads, group = node.attr("strides"), node.attr("pads"), node.attr("group", 1)
-        n, _, *in_spatial = self.types[x].shape
-        out_spatial = out_type.shape[2:]
-        nsp, phases = len(in_spatial), math.prod(strides)
+        strides, pads = node.attr("strides"), node.attr("pads")
+        x_shape, out_type = self.types[x].shape, self.types[node.outputs[0]]
+        out_shape, dtype, output = out_type.shape, out_type.dtype, node.outputs[0]
+        if len(x_shape) == 3 and LIFT_1D:
+            # 1-D convolutions have no blocked (NCW[b]c) path yet: a unit H axis puts the phase
+            # Conv on the 2-D one. The Reshape of x is one copy of the (small) input.
+            x_shape, out_shape = (*x_shape[:2], 1, x_shape[2]), (*out_shape[:2], 1, out_shape[2])
+            x = self.emit("Reshape", f"{node.name}_as_2d", [x], x_shape, dtype, shape=x_shape)
+            w, strides, pads = w[:, :, None], (1, *strides), (0, pads[0], 0, pads[1])
+            output = self.fresh(f"{node.name}_2d")
+        n, _, *in_spatial = x_shape
+        out_spatial = out_shape[2:]
+        nsp, phases, group = len(in_spatial), math.prod(strides), node.attr("group", 1)
         axes = [
             _axis(in_spatial[i], w.shape[2 + i], strides[i], pads[i], out_spatial[i])
             for i in range(nsp)
@@ -135,28 +145,31 @@ class _Rewriter:
             "Conv",
             f"{node.name}_phases",
             inputs,
-            (n, out_type.shape[1] * phases, *[a.rows for a in axes]),
-            out_type.dtype,
-            output=node.outputs[0] if exact else None,
+            (n, out_shape[1] * phases, *[a.rows for a in axes]),
+            dtype,
+            output=output if exact else None,
             pads=tuple(p[0] for p in conv_pads) + tuple(p[1] for p in conv_pads),
             strides=(1,) * nsp,
             dilations=(1,) * nsp,
             group=group,
         )
-        if exact:
-            return
-        # One injective op interleaves the phases and crops (a plain crop at stride 1).
-        self.emit(
-            "InterleavePhases",
-            f"{node.name}_interleave",
-            [phase_grid],
-            out_type.shape,
-            out_type.dtype,
-            output=node.outputs[0],
-            strides=tuple(strides),
-            starts=tuple(a.crop for a in axes),
-            output_shape=tuple(out_spatial),
-        )
+        if not exact:
+            # One injective op interleaves the phases and crops (a plain crop at stride 1).
+            self.emit(
+                "InterleavePhases",
+                f"{node.name}_interleave",
+                [phase_grid],
+                out_shape,
+                dtype,
+                output=output,
+                strides=tuple(strides),
+                starts=tuple(a.crop for a in axes),
+                output_shape=tuple(out_spatial),
+            )
+        if output != node.outputs[0]:  # back from the lifted 2-D form (fuses into the copy)
+            final = out_type.shape
+            self.emit("Reshape", f"{node.name}_as_1d", [output], final, dtype, node.outputs[0],
+                      shape=final)  # fmt: skip
 
 
 def _eligible(graph: Graph, node: Node) -> bool:

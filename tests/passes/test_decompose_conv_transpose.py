@@ -49,7 +49,8 @@ def conv_transpose_model(
 def assert_decomposed_same(before, rtol=1e-5):
     after = decompose_conv_transpose.run(before)
     verify(after)
-    assert [n.op for n in after.nodes] in (["Conv"], ["Conv", "InterleavePhases"])
+    heavy = [n.op for n in after.nodes if n.op != "Reshape"]  # 1-D: lifted to 2-D and back
+    assert heavy in (["Conv"], ["Conv", "InterleavePhases"])
     feeds = {n: RNG.standard_normal(before.types[n].shape, np.float32) for n in before.inputs}
     expected, actual = run_graph(before, feeds)["y"], run_graph(after, feeds)["y"]
     assert actual.shape == expected.shape
@@ -126,6 +127,18 @@ def test_phase_conv_shape():
     assert interleave.attr("starts") == (1, 1)
     assert after.types["y"].shape == (2, 4, 64, 64)
     assert "w" not in after.constants  # the original weight is no longer needed
+
+
+def test_1d_rides_a_2d_conv():
+    """A 1-D ConvTranspose is lifted to a unit-height 2-D one, so that its phase Conv gets the
+    blocked 2-D path; the interleave's output is reshaped back."""
+    graph = conv_transpose_model([13], [4], [2], channels=6, out_channels=4, pads=[1, 2])
+    after = assert_decomposed_same(graph)
+    assert [n.op for n in after.nodes] == ["Reshape", "Conv", "InterleavePhases", "Reshape"]
+    conv = after.nodes[1]
+    assert after.types[conv.inputs[1]].shape == (8, 6, 1, 2)
+    assert conv.attr("pads") == (0, 1, 0, 0)  # q = 0..12: the end pad 2 crops row 13 away
+    assert after.types["y"].shape == graph.types["y"].shape == (2, 4, 25)
 
 
 def test_left_alone_dilated_or_runtime_weight():
