@@ -17,7 +17,9 @@ back from the conv's blocked output into it. Input positions outside x read zero
 the conv's padding, which is also what negative pads (an oversized output_shape) and
 output_padding need: their margins are zero plus bias.
 
-Dilated kernels keep the ConvTranspose node and its direct kernel.
+A 1-D ConvTranspose is decomposed as a 2-D one of unit height (LIFT_1D), so that its phase
+Conv gets the blocked 2-D path. Dilated kernels, and weights only known at run time, keep
+the ConvTranspose node and its direct kernel.
 """
 
 from __future__ import annotations
