@@ -56,14 +56,34 @@ class _Axis:
         return begin, self.rows - self.size - begin + self.taps - 1
 
 
-def _axis(size: int, kernel: int, stride: int, pad_begin: int, out: int) -> _Axis:
+def _axis(size: int, kernel: int, stride: int, pad_begin: int, out: int, last: bool) -> _Axis:
     taps = -(-kernel // stride)
-    first = pad_begin // stride  # q of output position 0 (floor: pads may be negative)
-    last = (pad_begin + out - 1) // stride
+    first_row = pad_begin // stride  # q of output position 0 (floor: pads may be negative)
+    last_row = (pad_begin + out - 1) // stride
     # Conv pads cannot be negative: compute from q = T-1 at the latest and to q = size-1 at
     # the earliest, and crop whatever extra rows that gives.
-    start, end = min(first, taps - 1), max(last, size - 1)
-    return _Axis(size, stride, taps, start, end - start + 1, pad_begin - start * stride)
+    start, end = min(first_row, taps - 1), max(last_row, size - 1)
+    rows = end - start + 1
+    if last:
+        rows = _tileable_width(rows)
+    return _Axis(size, stride, taps, start, rows, pad_begin - start * stride)
+
+
+# The conv kernels tile a row of output pixels by a divisor of its width (at most 14 pixels,
+# kernels/schedules.py). The phase grid is often one wider than the input (k4 s2 p1 on 16
+# pixels: 17), and a prime width gets one-pixel tiles, several times slower. Up to 1/8 more
+# columns (computed, then cropped) buy a width with a divisor of at least GOOD_TILE.
+GOOD_TILE, MAX_TILE = 6, 14
+
+
+def _tileable_width(width: int) -> int:
+    def best_tile(w: int) -> int:
+        return max(t for t in range(1, MAX_TILE + 1) if w % t == 0)
+
+    for candidate in range(width, width + width // 8 + 1):
+        if best_tile(candidate) >= GOOD_TILE:
+            return candidate
+    return width
 
 
 def phase_weight(w: np.ndarray, strides, group: int) -> np.ndarray:
@@ -133,7 +153,7 @@ class _Rewriter:
         out_spatial = out_shape[2:]
         nsp, phases, group = len(in_spatial), math.prod(strides), node.attr("group", 1)
         axes = [
-            _axis(in_spatial[i], w.shape[2 + i], strides[i], pads[i], out_spatial[i])
+            _axis(in_spatial[i], w.shape[2 + i], strides[i], pads[i], out_spatial[i], i == nsp - 1)
             for i in range(nsp)
         ]
         conv_pads = [a.conv_pads for a in axes]

@@ -162,3 +162,15 @@ def test_phase_weight_taps():
             k = ry + (1 - u) * 2
             expected = w2[c, m, k, rx] if k < 3 else 0.0
             assert phased[channel, c, u, 0] == expected
+
+
+def test_prime_phase_grid_width_is_widened():
+    """k4 s2 p1 on 16x16 needs a 17x17 phase grid; the width grows to 18 (computed, then
+    cropped) so that the conv's pixel tile, a divisor of the width, is not one pixel."""
+    graph = conv_transpose_model([16, 16], [4, 4], [2, 2], channels=4, out_channels=2,
+                                 pads=[1, 1, 1, 1])  # fmt: skip
+    after = assert_decomposed_same(graph)
+    conv = after.nodes[0]
+    assert after.types[conv.outputs[0]].shape == (2, 8, 17, 18)
+    assert conv.attr("pads") == (1, 1, 1, 2)
+    assert after.types["y"].shape == (2, 2, 32, 32)
