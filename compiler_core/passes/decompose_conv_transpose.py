@@ -30,6 +30,7 @@ import math
 import numpy as np
 
 from compiler_core.graph.ir import Graph, NameGenerator, Node, TensorType
+from compiler_core.kernels.schedules import NCHWC_TILE
 
 NAME = "decompose_conv_transpose"
 # Lift 1-D transposed convolutions to 2-D (unit H) so that their phase Conv is blocked.
@@ -69,16 +70,16 @@ def _axis(size: int, kernel: int, stride: int, pad_begin: int, out: int, last: b
     return _Axis(size, stride, taps, start, rows, pad_begin - start * stride)
 
 
-# The conv kernels tile a row of output pixels by a divisor of its width (at most 14 pixels,
-# kernels/schedules.py). The phase grid is often one wider than the input (k4 s2 p1 on 16
-# pixels: 17), and a prime width gets one-pixel tiles, several times slower. Up to 1/8 more
-# columns (computed, then cropped) buy a width with a divisor of at least GOOD_TILE.
-GOOD_TILE, MAX_TILE = 6, 14
+# The conv kernels tile a row of output pixels by a divisor of its width (at most NCHWC_TILE
+# pixels). The phase grid is often one wider than the input (k4 s2 p1 on 16 pixels: 17), and
+# a prime width gets one-pixel tiles, several times slower. Up to 1/8 more columns
+# (computed, then cropped) buy a width with a divisor of at least GOOD_TILE.
+GOOD_TILE = 6
 
 
 def _tileable_width(width: int) -> int:
     def best_tile(w: int) -> int:
-        return max(t for t in range(1, MAX_TILE + 1) if w % t == 0)
+        return max(t for t in range(1, NCHWC_TILE + 1) if w % t == 0)
 
     for candidate in range(width, width + width // 8 + 1):
         if best_tile(candidate) >= GOOD_TILE:
