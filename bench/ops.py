@@ -252,6 +252,7 @@ CASES: dict[str, Case] = {
             description="ResNet stem pool, plain NCHW",
         ),
         matmul("vecmat_768", [768], [768, 3072], True, description="1-D input, dense layer"),
+        conv_transpose("convT1d_k16s8", 512, 256, [32], 16, 8, 4, description="HiFi-GAN up"),
     ]
 }
 

@@ -812,3 +812,30 @@ def _roi_align(ctx: KernelContext, node: Node):
 
 
 KERNELS["RoiAlign"] = _roi_align
+
+
+def _interleave_phases(ctx: KernelContext, node: Node):
+    """out[n, m, o..] = x[n, m * S + phase, (o + start) // s]: each output element reads its
+    phase channel directly (no flattened index to take apart), so with s a power of two the
+    divisions are shifts and masks of the vectorized axis."""
+    x = ctx.tensor(node.inputs[0])
+    out = ctx.type(node.outputs[0])
+    strides, starts = node.attr("strides"), node.attr("starts")
+    phases = int(np.prod(strides))
+
+    def body(n, m, *o):
+        phase: Expr = Const(0, INDEX)
+        rows = []
+        for index, stride, start in zip(o, strides, starts, strict=True):
+            position = index + Const(start, INDEX) if start else index
+            if stride == 1:
+                rows.append(position)
+                continue
+            phase = phase * Const(stride, INDEX) + Binary("mod", position, Const(stride, INDEX))
+            rows.append(Binary("floordiv", position, Const(stride, INDEX)))
+        return x[(n, m * Const(phases, INDEX) + phase, *rows)]
+
+    return [compute(out.shape, body, ctx.stage_name(node))]
+
+
+KERNELS["InterleavePhases"] = _interleave_phases

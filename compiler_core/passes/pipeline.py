@@ -12,12 +12,12 @@ from collections.abc import Callable
 from compiler_core.graph.ir import Graph
 from compiler_core.graph.verify import verify
 from compiler_core.passes import (
+    decompose_conv_transpose,
     eliminate_common_subexpressions,
     eliminate_dead_code,
     eliminate_identity,
     fold_constants,
     fuse_operators,
-    lower_conv_transpose,
     simplify_inference,
     transform_layout,
 )
@@ -36,11 +36,11 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("fold_constants", fold_constants.run),
     ("eliminate_identity", eliminate_identity.run),
     ("simplify_inference", simplify_inference.run),
-    ("lower_conv_transpose", lower_conv_transpose.run),
     ("fold_constants_again", fold_constants.run),
     ("eliminate_common_subexpressions", eliminate_common_subexpressions.run),
     ("eliminate_identity_again", eliminate_identity.run),
     ("eliminate_dead_code", eliminate_dead_code.run),
+    ("decompose_conv_transpose", decompose_conv_transpose.run),
     ("transform_layout", transform_layout.run),
     ("fuse_operators", fuse_operators.run),
 )

@@ -1,4 +1,5 @@
-"""ConvTranspose and DeformConv: the convolutions that are not plain Conv.
+"""ConvTranspose and DeformConv: the convolutions that are not plain Conv, and
+InterleavePhases, the data movement that finishes a ConvTranspose decomposed into a Conv.
 
 ConvTranspose's canonical attributes are pads, strides, dilations, group, output_padding and
 output_shape (the resolved spatial output size; it decides the output type). DeformConv's are
@@ -88,6 +89,45 @@ def _conv_transpose(node, inputs):
     if bias is not None:
         out = out + bias.astype(acc).reshape(_bias_shape(nsp))
     return [np.ascontiguousarray(out, dtype=x.dtype)]
+
+
+# --- InterleavePhases -----------------------------------------------------------------------
+#
+# The stride-phase decomposition of a ConvTranspose (passes/decompose_conv_transpose.py)
+# computes every output phase as a channel of one Conv: channel m * S + phase, S = prod(s),
+# phase the row-major index of (r1, .., rd), r_i in [0, s_i). This op puts phase r of grid
+# row q at canvas position q * s + r and crops the canvas to the output:
+#     out[n, m, o..] = x[n, m * S + phase((o + start) % s), (o + start) // s]
+
+
+def _interleave_rule(node, types):
+    x = types[0]
+    strides, starts = node.attr("strides"), node.attr("starts")
+    out_spatial = tuple(node.attr("output_shape"))
+    nsp, phases = x.rank - 2, math.prod(strides)
+    if nsp < 1 or not len(strides) == len(starts) == len(out_spatial) == nsp:
+        raise ShapeError(f"strides {strides} and starts {starts} do not fit input {x}")
+    if x.shape[1] % phases:
+        raise ShapeError(f"input {x} has no whole group of {phases} phase channels")
+    for i in range(nsp):
+        if starts[i] < 0 or starts[i] + out_spatial[i] > x.shape[2 + i] * strides[i]:
+            raise ShapeError(f"output {out_spatial} from {starts} leaves the canvas of {x}")
+    return [TensorType((x.shape[0], x.shape[1] // phases, *out_spatial), x.dtype)]
+
+
+def _interleave_phases(node, inputs):
+    x = inputs[0]
+    strides, starts = node.attr("strides"), node.attr("starts")
+    out_spatial = node.attr("output_shape")
+    n, channels, *rows = x.shape
+    nsp = len(rows)
+    split = x.reshape(n, channels // math.prod(strides), *strides, *rows)
+    # (n, m, s1.., Q1..) -> (n, m, Q1, s1, Q2, s2, ..)
+    perm = (0, 1, *[d for i in range(nsp) for d in (2 + nsp + i, 2 + i)])
+    canvas_shape = [q * s for q, s in zip(rows, strides, strict=True)]
+    canvas = split.transpose(perm).reshape(n, split.shape[1], *canvas_shape)
+    crop = tuple(slice(b, b + size) for b, size in zip(starts, out_spatial, strict=True))
+    return [np.ascontiguousarray(canvas[(slice(None), slice(None), *crop)])]
 
 
 # --- DeformConv ------------------------------------------------------------------------------
@@ -203,4 +243,7 @@ OPS: dict[str, OpDef] = {
         "ConvTranspose", OpKind.OUT_ELEMWISE_FUSABLE, _conv_transpose_rule, _conv_transpose
     ),
     "DeformConv": opdef("DeformConv", OpKind.OUT_ELEMWISE_FUSABLE, _deform_conv_rule, _deform_conv),
+    "InterleavePhases": opdef(
+        "InterleavePhases", OpKind.INJECTIVE, _interleave_rule, _interleave_phases
+    ),
 }
