@@ -308,16 +308,21 @@ def main() -> None:
             f"{name:16s} {r['kiln']['median_ms']:9.3f} {r['onnxruntime']['median_ms']:9.3f} "
             f"{r['ratio_median']:8.2f}  {case.description}"
         )
+    summarize(results, "case", args.json)
+
+
+def summarize(results: list[dict], label: str, path: Path) -> None:
+    """Print the worst kiln/ORT ratio and the failures; write every result to `path`."""
     timed = [r for r in results if "ratio_median" in r]
     if timed:
         worst = max(timed, key=lambda r: r["ratio_median"])
-        print(f"worst: {worst['case']} {worst['ratio_median']:.2f}")
-    failed = [r["case"] for r in results if "failed" in r]
+        print(f"worst: {worst[label]} {worst['ratio_median']:.2f}")
+    failed = [r[label] for r in results if "failed" in r]
     if failed:
         print(f"failed: {', '.join(failed)}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"cpu": cpu_name(), "cases": results}, indent=1))
-    print(f"results: {args.json}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"cpu": cpu_name(), f"{label}s": results}, indent=1))
+    print(f"results: {path}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import compiler_core
-from bench.ops import max_error
+from bench.ops import max_error, summarize
 from bench.run import cpu_name, interleaved, ort_session, stats
 from compiler_core.runtime import load
 
@@ -94,16 +94,7 @@ def main() -> None:
             f"{name:14s} {r['compile_seconds']:9.1f} {r['kiln']['median_ms']:9.2f} "
             f"{r['onnxruntime']['median_ms']:9.2f} {r['ratio_median']:8.2f}  {r['family']}"
         )
-    timed = [r for r in results if "ratio_median" in r]
-    if timed:
-        worst = max(timed, key=lambda r: r["ratio_median"])
-        print(f"worst: {worst['model']} {worst['ratio_median']:.2f}")
-    failed = [r["model"] for r in results if "failed" in r]
-    if failed:
-        print(f"failed: {', '.join(failed)}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"cpu": cpu_name(), "models": results}, indent=1))
-    print(f"results: {args.json}")
+    summarize(results, "model", args.json)
 
 
 if __name__ == "__main__":
