@@ -74,15 +74,15 @@ class Platform:
 
     def create_compilation(self, tenant: str, request) -> dict:
         model = self.model(tenant, request.model)
-        try:
-            queue = queue_for_target(request.target)
-        except ValueError as err:
-            raise ApiError(422, "Invalid target", str(err)) from None
         self._check_shapes(model, request.shapes)
         options = {
             "shapes": request.shapes,
             "tuning": request.tuning.model_dump(exclude_none=True) if request.tuning else None,
         }
+        try:
+            queue = queue_for_target(request.target, tuned=bool(options["tuning"]))
+        except ValueError as err:
+            raise ApiError(422, "Invalid target", str(err)) from None
         now = time.time()
         job = {
             "id": "c-" + uuid.uuid4().hex[:20],
@@ -218,5 +218,10 @@ class Platform:
                 message = response.json().get("error", response.text)
             except ValueError:
                 message = response.text
+            if response.status_code == 400:  # the artifact cannot be served there (a GPU
+                # archive on a server without a GPU): the caller's to fix, not a bad gateway
+                raise ApiError(
+                    422, "Unprocessable Entity", f"the runtime server refused: {message}"
+                )
             raise ApiError(502, "Bad Gateway", f"the runtime server refused: {message}")
         return response.json() if response.content else {}

@@ -167,11 +167,24 @@ class MemoryPlan:
 def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:
     """Liveness-based reuse: an intermediate's bytes are free once its last reader ran."""
     external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
+    sizes = {value: graph.types[value].nbytes for k in kernels for value in k.outputs}
+    steps = [(k.inputs, k.outputs) for k in kernels]
+    return plan_buffers(steps, sizes, external)
+
+
+def plan_buffers(
+    steps: Sequence[tuple[Sequence[str], Sequence[str]]],
+    sizes: dict[str, int],
+    external: set[str],
+    alignment: int = ALIGNMENT,
+) -> MemoryPlan:
+    """Offsets in one workspace for the values `steps` (inputs, outputs) define, except the
+    `external` ones; a value's bytes are reused once its last reader ran."""
     defined_at, last_use = {}, {}
-    for step, kernel in enumerate(kernels):
-        for value in kernel.inputs:
+    for step, (inputs, outputs) in enumerate(steps):
+        for value in inputs:
             last_use[value] = step
-        for value in kernel.outputs:
+        for value in outputs:
             defined_at.setdefault(value, step)
     live: list[tuple[int, int, str]] = []  # (offset, size, value)
     offsets, peak, naive = {}, 0, 0
@@ -179,7 +192,7 @@ def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:
         if value in external:
             continue
         live = [(o, s, v) for o, s, v in live if last_use.get(v, defined_at[v]) >= step]
-        size = _aligned(graph.types[value].nbytes)
+        size = -(-max(sizes[value], 1) // alignment) * alignment
         naive += size
         offset = _first_fit(live, size)
         live.append((offset, size, value))
@@ -225,7 +238,8 @@ class WeightsBlob:
     """Weights laid out one after another, each aligned; equal contents are stored once (the
     plans of several batch buckets read the same packed weights)."""
 
-    def __init__(self):
+    def __init__(self, alignment: int = ALIGNMENT):
+        self.alignment = alignment
         self.chunks: list[bytes] = []
         self.size = 0
         self._offsets: dict[str, int] = {}  # sha256 of the bytes -> offset
@@ -235,8 +249,9 @@ class WeightsBlob:
         digest = hashlib.sha256(data).hexdigest()
         if digest not in self._offsets:
             self._offsets[digest] = self.size
-            self.chunks.append(data + b"\0" * (_aligned(len(data)) - len(data)))
-            self.size += _aligned(len(data))
+            padded = -(-max(len(data), 1) // self.alignment) * self.alignment
+            self.chunks.append(data + b"\0" * (padded - len(data)))
+            self.size += padded
         return self._offsets[digest]
 
     def layout(self, arrays: dict[str, np.ndarray]) -> WeightsLayout:

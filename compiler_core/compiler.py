@@ -22,12 +22,12 @@ from compiler_core.batching import (
 )
 from compiler_core.build import CompiledModel, build_graph, describe_types
 from compiler_core.codegen.native import link_shared
-from compiler_core.frontend.onnx import import_model, load_model
+from compiler_core.frontend.onnx import defaulted_shapes, import_model, load_model
 from compiler_core.graph.ir import Graph
 from compiler_core.passes.pipeline import optimize
 from compiler_core.reference import run_graph
-from compiler_core.runtime.module import MEMBERS, load, sha256
-from compiler_core.target import Target, parse_target
+from compiler_core.runtime.module import load, sha256
+from compiler_core.target import Target, TargetError, parse_target
 
 COMPILER_VERSION = "0.1.0"
 VERIFY_RTOL, VERIFY_ATOL = 1e-4, 1e-5
@@ -53,7 +53,8 @@ class ModuleArchive:
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-            for name in ("manifest.json", *MEMBERS):
+            # manifest first, then the members in the order they were made (deterministic)
+            for name in ("manifest.json", *[n for n in self.members if n != "manifest.json"]):
                 info = zipfile.ZipInfo(name, date_time=ZIP_DATE_TIME)
                 info.compress_type = zipfile.ZIP_DEFLATED
                 info.external_attr = 0o644 << 16
@@ -85,10 +86,11 @@ def _random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _verification(archive: ModuleArchive, graph: Graph) -> dict:
-    """Run the compiled module and the reference executor on the same random inputs."""
+def _verification(archive: ModuleArchive, graph: Graph, device: str | None = None) -> dict:
+    """Run the compiled module (on `device`) and the reference executor on the same random
+    inputs."""
     feeds = _random_inputs(graph)
-    actual = load(archive).run(feeds)
+    actual = load(archive, device=device).run(feeds)
     expected = run_graph(graph, feeds)
     worst, ok = 0.0, True
     for name in graph.outputs:
@@ -97,6 +99,7 @@ def _verification(archive: ModuleArchive, graph: Graph) -> dict:
         ok &= bool(np.allclose(a, e, rtol=VERIFY_RTOL, atol=VERIFY_ATOL, equal_nan=True))
     return {
         "oracle": "reference executor",
+        **({"device": f"{device} twin"} if device else {}),
         "max_abs_error": worst,
         "rtol": VERIFY_RTOL,
         "atol": VERIFY_ATOL,
@@ -126,13 +129,10 @@ def _kernel_notes(graph: Graph, kernels, tuned: dict[str, dict]) -> dict:
 
 
 def _archive_members(
-    plan: dict, library: bytes, weights: bytes, target: Target, **manifest_fields
+    plan: dict, members: dict[str, bytes], target: Target, **manifest_fields
 ) -> dict[str, bytes]:
-    members = {
-        "model.so": library,
-        "weights.bin": weights,
-        "plan.json": json.dumps(plan, indent=1).encode(),
-    }
+    """`members` plus the manifest that lists them (sha256 of each)."""
+    members = dict(members)
     manifest = {
         "format": "kiln-module/1",
         **manifest_fields,
@@ -147,6 +147,14 @@ def _archive_members(
     return members
 
 
+def _cpu_members(library: bytes, weights: bytes, plan: dict) -> dict[str, bytes]:
+    return {
+        "model.so": library,
+        "weights.bin": weights,
+        "plan.json": json.dumps(plan, indent=1).encode(),
+    }
+
+
 def _members(
     compiled: CompiledModel, library: bytes, model_sha: str, tuned: dict[str, dict]
 ) -> dict[str, bytes]:
@@ -154,8 +162,7 @@ def _members(
     plan = _plan_of(graph, compiled.kernels, compiled.memory, compiled.weights.offsets)
     return _archive_members(
         plan,
-        library,
-        compiled.weights.blob,
+        _cpu_members(library, compiled.weights.blob, plan),
         compiled.target,
         model_sha256=model_sha,
         graph_key=graph.key,
@@ -195,8 +202,7 @@ def _bucket_members(
         notes.update(_kernel_notes(p.graph, p.kernels, tuned.get(p.batch, {})))
     return _archive_members(
         plan,
-        library,
-        built.weights,
+        _cpu_members(library, built.weights, plan),
         built.target,
         model_sha256=model_sha,
         graph_key=built.plans[-1].graph.key,
@@ -224,6 +230,8 @@ def compile_graph(
 ) -> ModuleArchive:
     """Build `graph` for `target`; `tuning` (a log path, `redis://` URL or TuningLog) supplies
     the best measured schedule of every task it has records for."""
+    if target.is_gpu:
+        return compile_gpu_graph(graph, target, model_sha, verify, tuning)
     started = time.perf_counter()
     schedules, tuned = None, {}
     if tuning is not None:
@@ -240,9 +248,51 @@ def compile_graph(
     return _with_manifest(archive, verification={"oracle": None, "passed": None})
 
 
+def compile_gpu_graph(
+    graph: Graph, target: Target, model_sha: str = "", verify: bool = True, tuning=None
+) -> ModuleArchive:
+    """A cuda archive. Verified through its OpenCL twin where an OpenCL device is present (no
+    GPU is needed: the twin runs the same kernels, PoCL on the CPU)."""
+    from compiler_core.gpu import archive as gpu_archive
+    from compiler_core.gpu.build import build_gpu_graph
+
+    started = time.perf_counter()
+    schedules, tuned = None, {}
+    if tuning is not None:
+        from compiler_core.autotune.apply import tuned_schedules
+
+        schedules, tuned = tuned_schedules(graph, target, tuning)
+    model = build_gpu_graph(graph, target, schedules)
+    members = gpu_archive.members_of(model)
+    plan = json.loads(members["plan.json"])
+    seconds = time.perf_counter() - started
+    members = _archive_members(
+        plan,
+        members,
+        target,
+        model_sha256=model_sha,
+        graph_key=graph.key,
+        **gpu_archive.manifest_fields(model, tuned),
+    )
+    archive = ModuleArchive(members, seconds)
+    if not verify:
+        return _with_manifest(archive, verification={"oracle": None, "passed": None})
+    return attach_verification(archive, graph)
+
+
 def attach_verification(archive: ModuleArchive, graph: Graph) -> ModuleArchive:
-    """Run the archive against the reference executor and record the result in its manifest."""
-    return _with_manifest(archive, verification=_verification(archive, graph))
+    """Run the archive against the reference executor and record the result in its manifest.
+    A GPU archive runs as its OpenCL twin (no GPU needed); where no OpenCL device exists
+    either, the manifest says verification was skipped and why (`passed` is None)."""
+    if not archive.manifest["target"].startswith("cuda"):
+        return _with_manifest(archive, verification=_verification(archive, graph))
+    from compiler_core.runtime.opencl import opencl_available
+
+    available, why = opencl_available()
+    if not available:
+        skipped = {"oracle": None, "passed": None, "skipped": f"no OpenCL device ({why})"}
+        return _with_manifest(archive, verification=skipped)
+    return _with_manifest(archive, verification=_verification(archive, graph, device="opencl"))
 
 
 def _with_manifest(archive: ModuleArchive, **fields) -> ModuleArchive:
@@ -264,10 +314,14 @@ def compile(  # noqa: A001 - the documented entry point's name
     With `batch_buckets` (e.g. [1, 2, 4, 8, 16]) the archive holds one plan per batch size
     and runs any batch up to the largest (`compiler_core.batching`)."""
     target = parse_target(target) if isinstance(target, str) else target
+    if batch_buckets is not None and target.is_gpu:
+        raise TargetError(f"{target}: batch buckets are built for CPU targets only")
     if batch_buckets is not None:
         return compile_buckets(model, target, shapes, batch_buckets, tuning)
     graph = optimize(import_model(model, shapes=shapes), target=target)
-    return compile_graph(graph, target, sha256(_model_bytes(model)), tuning=tuning)
+    archive = compile_graph(graph, target, sha256(_model_bytes(model)), tuning=tuning)
+    defaulted = defaulted_shapes(load_model(model), shapes)
+    return _with_manifest(archive, defaulted_shapes=defaulted) if defaulted else archive
 
 
 def compile_buckets(

@@ -23,7 +23,21 @@ class Target:
     cores: int
 
     @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def arch(self) -> str:
+        """The SM architecture of a cuda target (`sm_90`)."""
+        if not self.is_gpu:
+            raise TargetError(f"{self} is not a GPU target")
+        return self.cpu
+
+    @property
     def vector_bits(self) -> int:
+        # A cuda target packs as for 16 lanes: panels of 32 columns are one warp's loads.
+        if self.is_gpu:
+            return 512
         return 512 if "+avx512f" in self.features.split(",") else 256
 
     @property
@@ -44,7 +58,37 @@ class Target:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
+        if self.is_gpu:
+            return f"cuda -arch={self.cpu}"
         return f"{self.kind} -mcpu={self.cpu}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLimits:
+    """What one thread block may use (per SM architecture; statically allocated shared memory
+    is capped at 48 KiB on every architecture we target)."""
+
+    max_threads_per_block: int = 1024
+    max_shared_bytes: int = 48 * 1024
+    max_registers_per_thread: int = 255
+    warp_size: int = 32
+
+
+# Architectures the NVPTX path emits PTX for (ptxas checks each in the tests).
+GPU_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+GPU_LIMITS = {arch: GpuLimits() for arch in GPU_ARCHS}
+
+
+def gpu_limits(target: Target) -> GpuLimits:
+    return GPU_LIMITS[target.arch]
+
+
+def cuda_target(arch: str = "sm_90") -> Target:
+    if arch not in GPU_ARCHS:
+        raise TargetError(
+            f"unsupported CUDA architecture {arch!r} (supported: {', '.join(GPU_ARCHS)})"
+        )
+    return Target(kind="cuda", cpu=arch, features="", triple="nvptx64-nvidia-cuda", cores=0)
 
 
 def host_target() -> Target:
@@ -61,10 +105,27 @@ def host_target() -> Target:
     )
 
 
+def _parse_cuda(text: str, options: list[str]) -> Target:
+    arch = "sm_90"
+    for word in options:
+        key, _, value = word.partition("=")
+        if key == "-arch" and value:
+            arch = value
+        else:
+            raise TargetError(f"unknown target option {word!r} in {text!r}")
+    return cuda_target(arch)
+
+
 def parse_target(text: str = "llvm") -> Target:
+    """`llvm [-mcpu=NAME] [-mattr=FEATURES]` (the host CPU by default) or
+    `cuda [-arch=sm_XY]` (sm_90 by default)."""
     words = shlex.split(text)
+    if words and words[0] == "cuda":
+        return _parse_cuda(text, words[1:])
     if not words or words[0] != "llvm":
-        raise TargetError(f"unsupported target {text!r} (expected 'llvm [-mcpu=NAME]')")
+        raise TargetError(
+            f"unsupported target {text!r} (expected 'llvm [-mcpu=NAME]' or 'cuda -arch=sm_XY')"
+        )
     target = host_target()
     for word in words[1:]:
         key, _, value = word.partition("=")

@@ -19,7 +19,10 @@ import numpy as np
 
 from artifact_store import BlobNotFound, CorruptBlob, InvalidDigest, StoreError
 from compiler_core.runtime import ArchiveError, InputError, Module, load
+from compiler_core.runtime.cuda import NoCudaDeviceError
 from compiler_core.runtime.library import set_num_threads
+from compiler_core.runtime.module import request_batch
+from runtime_server.batching import BatcherClosed, DynamicBatcher
 
 READY = "READY"
 UNAVAILABLE = "UNAVAILABLE"
@@ -64,20 +67,46 @@ def version_key(version: str) -> tuple[int, int, str]:
     return (0, 0, version)
 
 
-class InstancePool:
-    """N modules loaded from one archive; `borrow()` hands out one at a time per instance."""
+def _dynamic_batch(signature: Signature, buckets: list[int] | None) -> Signature:
+    if not buckets:
+        return list(signature)
+    return [(name, (-1, *shape[1:]), dtype) for name, shape, dtype in signature]
 
-    def __init__(self, modules: list[Module], num_threads: int | None = None):
+
+class InstancePool:
+    """N modules loaded from one archive; `borrow()` hands out one at a time per instance.
+
+    With `batch_delay` (seconds, 0 included) and an archive compiled with batch buckets,
+    concurrent requests are batched (`runtime_server/batching.py`); None turns that off."""
+
+    def __init__(
+        self,
+        modules: list[Module],
+        num_threads: int | None = None,
+        batch_delay: float | None = None,
+    ):
         if not modules:
             raise ValueError("an instance pool needs at least one module")
-        self.inputs: Signature = list(modules[0].inputs)
-        self.outputs: Signature = list(modules[0].outputs)
+        self.batch_buckets: list[int] | None = modules[0].batch_buckets
+        # A bucketed archive takes any batch up to its largest bucket: axis 0 is -1 (dynamic)
+        # in the signature the protocol checks and the metadata shows, as in Triton.
+        self.inputs: Signature = _dynamic_batch(modules[0].inputs, self.batch_buckets)
+        self.outputs: Signature = _dynamic_batch(modules[0].outputs, self.batch_buckets)
         self.manifest: dict = dict(modules[0].manifest)
         self.size = len(modules)
         self._num_threads = num_threads
         self._free: queue.Queue[Module] = queue.Queue()
         for module in modules:
             self._free.put(module)
+        self.batcher: DynamicBatcher | None = None
+        if self.batch_buckets and batch_delay is not None:
+            self.batcher = DynamicBatcher(
+                self._run_one,
+                self._request_batch,
+                self.batch_buckets[-1],
+                batch_delay,
+                workers=self.size,
+            )
 
     @contextmanager
     def borrow(self) -> Iterator[Module]:
@@ -88,6 +117,25 @@ class InstancePool:
             self._free.put(module)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.batcher is None:
+            return self._run_one(inputs)
+        try:
+            return self.batcher.submit(inputs)
+        except BatcherClosed:
+            raise ModelNotReady("the model version was unloaded or replaced: retry") from None
+
+    def close(self) -> None:
+        """Stop batching once what is queued has run (the version was unloaded or replaced)."""
+        if self.batcher is not None:
+            self.batcher.close()
+
+    def _request_batch(self, inputs: Mapping[str, np.ndarray]) -> int:
+        try:
+            return request_batch(self.inputs, self.batch_buckets or [], inputs)
+        except InputError as err:
+            raise InvalidRequest(str(err)) from None
+
+    def _run_one(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         with self.borrow() as module:
             if self._num_threads:
                 # omp_set_num_threads is per calling thread: setting it when the module was
@@ -154,12 +202,21 @@ def check_version(version: str) -> str:
 class ModelRepository:
     """Models by name and version. Thread-safe: loads and requests may run concurrently."""
 
-    def __init__(self, store, instances: int = 2, num_threads: int | None = None):
+    def __init__(
+        self,
+        store,
+        instances: int = 2,
+        num_threads: int | None = None,
+        batch_delay: float | None = 0.0,
+    ):
+        """`batch_delay`: how long a batch waits for more requests, in seconds, on archives
+        compiled with batch buckets (None: no dynamic batching)."""
         if instances < 1:
             raise ValueError("a loaded model needs at least one instance")
         self._store = store
         self._instances = instances
         self._num_threads = num_threads
+        self._batch_delay = batch_delay
         # name -> version -> entry. Entries stay after unload so a model can be reloaded by
         # name and so the index can report it as UNAVAILABLE.
         self._models: dict[str, dict[str, ModelVersion]] = {}
@@ -184,7 +241,10 @@ class ModelRepository:
         pool = self._build_pool(artifact)
         with self._lock:
             versions = self._models.setdefault(name, {})
+            previous = versions.get(version)
             versions[version] = ModelVersion(name, version, artifact, pool)
+        if previous is not None and previous.pool is not None:
+            previous.pool.close()
 
     def _reload(self, name: str, version: str | None) -> None:
         with self._lock:
@@ -213,8 +273,10 @@ class ModelRepository:
 
     def _set_pool(self, entry: ModelVersion, pool: InstancePool) -> None:
         with self._lock:
-            entry.pool = pool
+            previous, entry.pool = entry.pool, pool
             entry.reason = ""
+        if previous is not None:
+            previous.close()
 
     def _record_failure(self, entry: ModelVersion, reason: str) -> None:
         with self._lock:
@@ -227,7 +289,9 @@ class ModelRepository:
             modules = [load(data, self._num_threads) for _ in range(self._instances)]
         except ArchiveError as err:
             raise InvalidRequest(f"artifact {artifact} is not a module archive: {err}") from None
-        return InstancePool(modules, self._num_threads)
+        except NoCudaDeviceError as err:  # a GPU archive on a server without a GPU
+            raise InvalidRequest(f"artifact {artifact} cannot run on this server: {err}") from None
+        return InstancePool(modules, self._num_threads, self._batch_delay)
 
     def _fetch(self, artifact: str) -> bytes:
         if not isinstance(artifact, str):
@@ -254,6 +318,8 @@ class ModelRepository:
             if version is not None and version not in versions:
                 raise ModelNotFound(f"model '{name}' has no version '{version}'")
             for entry in versions.values() if version is None else [versions[version]]:
+                if entry.pool is not None:
+                    entry.pool.close()
                 entry.pool = None
                 entry.reason = "unloaded"
 
@@ -288,6 +354,16 @@ class ModelRepository:
             for e in sorted(entries, key=lambda e: (e.name, version_key(e.version)))
         ]
         return [row for row in rows if row["state"] == READY] if ready_only else rows
+
+    def batch_stats(self) -> list:
+        """[(model, version, BatchStats)] of the loaded versions that batch requests."""
+        with self._lock:
+            entries = [e for versions in self._models.values() for e in versions.values()]
+        return [
+            (e.name, e.version, e.pool.batcher.stats)
+            for e in entries
+            if e.pool is not None and e.pool.batcher is not None
+        ]
 
     def ready_count(self) -> int:
         return sum(1 for row in self.index() if row["state"] == READY)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import onnx
 import pytest
 
 from compiler_core import cli
@@ -43,10 +44,22 @@ def test_verify_reports_agreement_with_onnxruntime():
     assert "vs onnxruntime" in result.stdout and "ok" in result.stdout
 
 
-def test_missing_shape_binding_is_a_usage_error():
-    result = kiln("verify", str(shared_model("mlp")))
+def test_missing_shape_binding_is_a_usage_error(tmp_path):
+    model = onnx.load(str(shared_model("mlp")))
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "features"
+    path = tmp_path / "features.onnx"
+    onnx.save(model, str(path))
+    result = kiln("verify", str(path))
     assert result.returncode == 2
-    assert "'batch'" in result.stderr
+    assert "'features'" in result.stderr
+
+
+def test_an_unbound_batch_is_compiled_as_one_with_a_note(tmp_path):
+    out = tmp_path / "mlp.kiln"
+    result = kiln("compile", str(shared_model("mlp")), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "symbolic batch compiled as [1, 784]" in result.stdout
+    assert "'batch'" in result.stderr  # the warning names the dimension
 
 
 def test_bad_shape_syntax_is_a_usage_error():

@@ -13,12 +13,15 @@ from pathlib import Path
 
 
 def cpu_queues() -> list[str]:
-    """The generic `cpu` queue, `cpu.<cpu name>` and `cpu.<target fingerprint>`."""
-    from compiler_core.target import host_target
+    """The generic `cpu` queue, `cpu.<cpu name>` and `cpu.<target fingerprint>`, and the
+    `cuda.<sm>` queue of every architecture: building PTX needs no GPU (LLVM's NVPTX target
+    emits it anywhere), so every worker builds GPU archives."""
+    from compiler_core.target import GPU_ARCHS, host_target
     from tuner_workers.celery_app import GENERIC_CPU_QUEUE
 
     target = host_target()
-    return [GENERIC_CPU_QUEUE, f"cpu.{target.cpu}", f"cpu.{target.fingerprint}"]
+    cuda = [f"cuda.{arch}" for arch in GPU_ARCHS]
+    return [GENERIC_CPU_QUEUE, f"cpu.{target.cpu}", f"cpu.{target.fingerprint}", *cuda]
 
 
 def run_worker(args) -> int:
@@ -28,7 +31,9 @@ def run_worker(args) -> int:
     queues = args.queues or ",".join(cpu_queues())
     concurrency = args.concurrency or app.conf.kiln_settings.worker_concurrency
     argv = ["worker", "-Q", queues, "--concurrency", str(concurrency), "--loglevel", args.loglevel]
-    argv += ["-n", f"kiln-{queues.split(',')[-1]}@{socket.gethostname()}", "--without-gossip"]
+    parts = queues.split(",")
+    label = next((q for q in reversed(parts) if q.startswith("cpu.")), parts[-1])
+    argv += ["-n", f"kiln-{label}@{socket.gethostname()}", "--without-gossip"]
     app.worker_main(argv)
     return 0
 

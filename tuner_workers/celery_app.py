@@ -15,12 +15,14 @@ COMPILE_TASK = "kiln.compile"
 GENERIC_CPU_QUEUE = "cpu"
 
 
-def queue_for_target(target: str) -> str:
+def queue_for_target(target: str, tuned: bool = False) -> str:
     """The queue a compile job for `target` goes to, so it runs on the hardware it is for.
 
     `llvm` (the worker's own CPU) goes to the generic `cpu` queue every CPU worker consumes;
     `llvm -mcpu=NAME` to `cpu.NAME`, consumed by workers whose CPU is NAME; `cuda -arch=sm_XY`
-    to `cuda.sm_XY`. Raises ValueError for anything else.
+    to `cuda.sm_XY`, which any worker serves (PTX is built without a GPU), or, when the job
+    is `tuned` (its candidates are measured on the GPU), to `cuda.sm_XY.gpu`, which only GPU
+    workers consume. Raises ValueError for anything else.
     """
     try:
         words = shlex.split(target)
@@ -33,7 +35,8 @@ def queue_for_target(target: str) -> str:
     if unknown:
         raise ValueError(f"unknown target option(s) {sorted(unknown)} in {target!r}")
     if words[0] == "cuda":
-        return f"cuda.{options.get('-arch', 'sm_90')}"
+        queue = f"cuda.{options.get('-arch', 'sm_90')}"
+        return f"{queue}.gpu" if tuned else queue
     cpu = options.get("-mcpu")
     return f"cpu.{cpu}" if cpu else GENERIC_CPU_QUEUE
 

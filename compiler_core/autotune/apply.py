@@ -15,13 +15,16 @@ from compiler_core.target import Target
 
 
 def tuned_schedules(
-    graph: Graph, target: Target, tuning: str | TuningLog
+    graph: Graph, target: Target, tuning: str | TuningLog, fingerprint: str | None = None
 ) -> tuple[dict[str, list[Record]], dict[str, dict]]:
-    """({group name: schedule records}, {group name: what the manifest says about it})."""
+    """({group name: schedule records}, {group name: what the manifest says about it}).
+    `fingerprint` (default: the target's) picks the measurements to apply; a GPU target's
+    OpenCL-twin records have their own and apply only when asked for by it."""
     log = open_log(tuning)
+    fingerprint = fingerprint or target.fingerprint
     schedules, notes = {}, {}
     for task in extract_tasks(graph, target):
-        best = log.best(task.key, target.fingerprint, task.template, task.template_version)
+        best = log.best(task.key, fingerprint, task.template, task.template_version)
         if best is None:
             continue
         records = task.records(best.config)

@@ -5,12 +5,20 @@ subprocess (`python -m compiler_core.autotune.measure`) loads each library, runs
 random inputs, checks its outputs against the task's reference (the default schedule's), and
 times it. A candidate that crashes the runner, hangs past the timeout or computes a wrong
 answer becomes a record with its error code; the runner is restarted and tuning goes on.
+
+A GPU target's candidate is its group split into device kernels, checked against the
+target's limits (a config over them is `invalid_config`, never run) and written as a bundle:
+the kernels' source (PTX for a CUDA device, the OpenCL twin for an OpenCL one) and their
+launches. The runner runs the launches in order over device buffers and times whole passes
+(CUDA events on a GPU). Measurements of the OpenCL twin carry their own fingerprint: PoCL's
+timings say nothing about a GPU's, so they are never applied to a GPU build.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 import json
 import os
 import select
@@ -23,6 +31,7 @@ from pathlib import Path
 
 from compiler_core.autotune.tasks import Task
 from compiler_core.codegen.native import compile_kernels, link_shared
+from compiler_core.errors import UserError
 from compiler_core.schedule.primitives import apply
 from compiler_core.target import Target
 
@@ -42,6 +51,42 @@ class MeasureOptions:
     min_repeat_seconds: float = 0.02
     timeout: float = 20.0  # per candidate, in the runner
     threads: int | None = None
+    device: str | None = None  # GPU targets: "cuda" or "opencl" (the twin); None: cuda
+
+
+DEVICES = ("cuda", "opencl")
+
+
+class MeasureDeviceError(UserError):
+    """No device to measure a target's candidates on."""
+
+
+def measure_device(target: Target, requested: str | None) -> str | None:
+    """The device a target's candidates run on: None for a CPU target (the host), "cuda" or
+    "opencl" for a GPU target, or MeasureDeviceError saying why there is none."""
+    if not target.is_gpu:
+        if requested not in (None, "cpu"):
+            raise MeasureDeviceError(f"device {requested!r}: {target} is measured on the host CPU")
+        return None
+    if requested not in (None, *DEVICES):
+        raise MeasureDeviceError(f"device {requested!r}: expected one of {list(DEVICES)}")
+    if requested == "opencl":
+        from compiler_core.runtime.opencl import opencl_available
+
+        available, why = opencl_available()
+        if not available:
+            raise MeasureDeviceError(f"no OpenCL device to measure the twin on: {why}")
+        return "opencl"
+    from compiler_core.runtime.cuda import cuda_available
+
+    available, why = cuda_available()
+    if not available:
+        raise MeasureDeviceError(
+            f"tuning {target} measures candidates on a CUDA device: {why}. Tune on a machine "
+            "with the GPU (a worker on the cuda queue), or measure the OpenCL twin with device "
+            "'opencl' (its records are kept apart from the GPU's)"
+        )
+    return "cuda"
 
 
 class Measurer:
@@ -50,14 +95,32 @@ class Measurer:
     def __init__(self, target: Target, options: MeasureOptions | None = None):
         self.target = target
         self.options = options or MeasureOptions()
+        self.device = measure_device(target, self.options.device)
         self._dir = tempfile.TemporaryDirectory(prefix="kiln-measure-")
         self._runner: subprocess.Popen | None = None
         self._references: dict[str, Path] = {}
 
+    @property
+    def fingerprint(self) -> str:
+        """What this session's records are keyed by: the target's fingerprint, or for the
+        OpenCL twin of a GPU target one of its own."""
+        if self.device != "opencl":
+            return self.target.fingerprint
+        text = f"{self.target.fingerprint}|opencl-twin"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def target_label(self) -> str:
+        """The target as the records name it (the twin says so)."""
+        return f"{self.target} -device=opencl" if self.device == "opencl" else str(self.target)
+
     # --- building -----------------------------------------------------------------------
 
     def build(self, task: Task, configs: Sequence[dict]) -> list[Path | Result]:
-        """A shared library per config, or the Result that says why there is none."""
+        """A shared library (a device bundle for a GPU target) per config, or the Result that
+        says why there is none."""
+        if self.device is not None:
+            return [self._device_bundle(task, config, slot) for slot, config in enumerate(configs)]
         funcs, slots = [], []
         outcomes: list[Path | Result] = []
         for config in configs:
@@ -79,6 +142,27 @@ class Measurer:
             except Exception as err:  # noqa: BLE001 - recorded as a build error
                 outcomes[slot] = Result(error="build_error", detail=_first_line(err))
         return outcomes
+
+    def _device_bundle(self, task: Task, config: dict, slot: int) -> Path | Result:
+        from compiler_core.gpu.kernels import device_kernels
+        from compiler_core.gpu.verify import GpuScheduleError, verify_device
+
+        try:
+            kernels, scratch = device_kernels(apply(task.lowered.func, task.records(config)))
+            for kernel in kernels:
+                verify_device(kernel.func, self.target)
+        except GpuScheduleError as err:  # over a limit, or a race: the numbers, not the listing
+            detail = f"GPU check {err.check!r}: {'; '.join(err.problems)}"
+            return Result(error="invalid_config", detail=detail[:300])
+        except Exception as err:  # noqa: BLE001 - a config the schedule refuses
+            return Result(error="invalid_config", detail=_first_line(err))
+        try:
+            bundle = device_bundle(kernels, scratch, self.target, self.device)
+        except Exception as err:  # noqa: BLE001 - recorded as a build error
+            return Result(error="build_error", detail=_first_line(err))
+        path = Path(self._dir.name) / f"c{time.monotonic_ns()}_{slot}.json"
+        path.write_text(json.dumps(bundle))
+        return path
 
     # --- running ------------------------------------------------------------------------
 
@@ -109,6 +193,7 @@ class Measurer:
     def _run(self, task: Task, library: Path, reference=None, save_output=None) -> Result:
         func = task.lowered.func
         request = {
+            "device": self.device,
             "library": str(library),
             "symbol": func.name,
             "params": [[list(b.shape), b.dtype] for b in func.params],
@@ -172,6 +257,32 @@ class Measurer:
         self.close()
 
 
+def device_bundle(kernels, scratch, target: Target, device: str) -> dict:
+    """A GPU candidate as the runner takes it: the kernels' source for `device` and the
+    launches in order, each argument a group parameter (by index) or a scratch buffer (by
+    name, with its size)."""
+    from compiler_core.codegen import nvptx, opencl
+    from compiler_core.gpu.launch import launch_dims
+
+    functions = [k.func for k in kernels]
+    if device == "cuda":
+        source = nvptx.emit_ptx(functions, target.arch)
+    else:
+        source = opencl.render_opencl(functions)
+    sizes = {b.name: b.nbytes for b in scratch}
+    launches = []
+    for kernel in kernels:
+        grid, block = launch_dims(kernel.func)
+        args = [
+            ["param", what] if kind == "param" else ["scratch", what, sizes[what]]
+            for kind, what in kernel.args
+        ]
+        launches.append(
+            {"kernel": kernel.func.name, "grid": list(grid), "block": list(block), "args": args}
+        )
+    return {"device": device, "source": source, "launches": launches}
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
@@ -209,38 +320,111 @@ def _check(outputs, reference: str, rtol: float) -> str | None:
 
 
 def run_request(request: dict) -> dict:
+    if request.get("device"):
+        return run_device_request(request)
+    return run_library_request(request)
+
+
+def _finish_check(request: dict, outputs) -> dict | None:
     import numpy as np
 
-    from compiler_core.runtime.library import KernelLibrary
-
-    library = KernelLibrary(request["library"])
-    arrays = _inputs(request["params"], request["outputs"])
-    outputs = arrays[len(arrays) - request["outputs"] :]
-    library.call(request["symbol"], arrays)
     if request["save_output"]:
         np.savez(request["save_output"], **{f"out{k}": o for k, o in enumerate(outputs)})
     if request["reference"]:
         problem = _check(outputs, request["reference"], request["rtol"])
         if problem:
             return {"error": "wrong_answer", "detail": problem}
-    function = library.function(request["symbol"])
-    pointers = [ctypes.c_void_p(a.ctypes.data) for a in arrays]
-    number, costs = 1, []
-    while True:  # calls per repeat: enough for the repeat to last min_repeat_seconds
-        started = time.perf_counter()
-        for _ in range(number):
-            function(*pointers)
-        elapsed = time.perf_counter() - started
-        if elapsed >= request["min_repeat_seconds"] or number >= 1 << 20:
+    return None
+
+
+def _timed(run_passes, request: dict) -> dict:
+    """Costs of `run_passes(number) -> seconds per pass`: the pass count doubled until a
+    repeat lasts min_repeat_seconds, then `repeats` repeats."""
+    number = 1
+    while True:
+        cost = run_passes(number)
+        if cost * number >= request["min_repeat_seconds"] or number >= 1 << 20:
             break
         number *= 2
-    costs.append(elapsed / number)
-    for _ in range(request["repeats"] - 1):
+    costs = [cost] + [run_passes(number) for _ in range(request["repeats"] - 1)]
+    return {"error": "ok", "costs": costs}
+
+
+_DEVICE_BACKENDS: dict = {}  # one per runner process: CUDA's context is made once
+
+
+def _device_backend(name: str):
+    if name not in _DEVICE_BACKENDS:
+        if name == "cuda":
+            from compiler_core.runtime.cuda import CudaBackend
+
+            _DEVICE_BACKENDS[name] = CudaBackend()
+        else:
+            from compiler_core.runtime.opencl import OpenCLBackend
+
+            _DEVICE_BACKENDS[name] = OpenCLBackend()
+    return _DEVICE_BACKENDS[name]
+
+
+def run_device_request(request: dict) -> dict:
+    """Run a device bundle's launches over device buffers holding the runner's inputs."""
+    bundle = json.loads(Path(request["library"]).read_text())
+    backend = _device_backend(request["device"])
+    member = "model.ptx" if request["device"] == "cuda" else "kernels.cl"
+    backend.load({member: bundle["source"].encode()})
+    arrays = _inputs(request["params"], request["outputs"])
+    buffers = []
+    for array in arrays:
+        buffer = backend.alloc(max(array.nbytes, 1))
+        backend.upload(buffer, array)
+        buffers.append(buffer)
+    scratch: dict = {}
+    launches = []
+    for launch in bundle["launches"]:
+        args = []
+        for arg in launch["args"]:
+            if arg[0] == "param":
+                args.append(buffers[arg[1]])
+            else:
+                if arg[1] not in scratch:
+                    scratch[arg[1]] = backend.alloc(max(arg[2], 1))
+                args.append(scratch[arg[1]])
+        launches.append((backend.function(launch["kernel"]), launch["grid"], launch["block"], args))
+    try:
+        for function, grid, block, args in launches:
+            backend.launch(function, grid, block, args)
+        backend.synchronize()
+        outputs = arrays[len(arrays) - request["outputs"] :]
+        for k, output in enumerate(outputs):
+            backend.download(buffers[len(arrays) - request["outputs"] + k], output)
+        failed = _finish_check(request, outputs)
+        if failed:
+            return failed
+        return _timed(lambda number: backend.time_launches(launches, number), request)
+    finally:
+        backend.free_all()
+
+
+def run_library_request(request: dict) -> dict:
+    from compiler_core.runtime.library import KernelLibrary
+
+    library = KernelLibrary(request["library"])
+    arrays = _inputs(request["params"], request["outputs"])
+    outputs = arrays[len(arrays) - request["outputs"] :]
+    library.call(request["symbol"], arrays)
+    failed = _finish_check(request, outputs)
+    if failed:
+        return failed
+    function = library.function(request["symbol"])
+    pointers = [ctypes.c_void_p(a.ctypes.data) for a in arrays]
+
+    def passes(number: int) -> float:
         started = time.perf_counter()
         for _ in range(number):
             function(*pointers)
-        costs.append((time.perf_counter() - started) / number)
-    return {"error": "ok", "costs": costs}
+        return (time.perf_counter() - started) / number
+
+    return _timed(passes, request)
 
 
 def runner_main() -> None:

@@ -75,6 +75,8 @@ class Tuner:
         compiler_version: str = "",
     ):
         self.target, self.log, self.measurer = target, log, measurer
+        # The measured device's key: a GPU target's OpenCL twin has its own.
+        self.fingerprint = measurer.fingerprint
         self.batch, self.epsilon = batch, epsilon
         self.rng = random.Random(seed)
         self.model = model or CostModel(seed=seed)
@@ -89,7 +91,7 @@ class Tuner:
     def _resume(self, state: TaskState) -> None:
         """Configs already in the log are never measured again."""
         task = state.task
-        for record in self.log.records(task.key, self.target.fingerprint):
+        for record in self.log.records(task.key, self.fingerprint):
             if record.template_version != task.template_version:
                 continue
             state.visited.add(record.config_key)
@@ -179,8 +181,8 @@ class Tuner:
         return TuningRecord(
             workload_key=task.key,
             workload=task.workload,
-            target=str(self.target),
-            fingerprint=self.target.fingerprint,
+            target=self.measurer.target_label,
+            fingerprint=self.fingerprint,
             template=task.template,
             template_version=task.template_version,
             config=dict(config),
@@ -195,7 +197,7 @@ class Tuner:
     def _retrain(self) -> None:
         rows, throughput, groups = [], [], []
         for state in self.states:
-            for record in self.log.records(state.task.key, self.target.fingerprint):
+            for record in self.log.records(state.task.key, self.fingerprint):
                 if record.ok and record.template_version == state.task.template_version:
                     rows.append(self._features(state, record.config))
                     throughput.append(1.0 / record.cost)

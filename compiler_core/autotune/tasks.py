@@ -15,6 +15,7 @@ import json
 import math
 
 from compiler_core.build import LoweredGroup, lower_group
+from compiler_core.gpu.schedules import gpu_schedule_for, gpu_tunable_of
 from compiler_core.graph.ir import Graph
 from compiler_core.kernels.schedules import Config, Tunable, schedule_for, tunable_of
 from compiler_core.loop.printer import format_func
@@ -45,7 +46,13 @@ class Task:
 
     def records(self, config: Config | None = None) -> list[Record]:
         """The whole group's schedule with the template at `config`."""
-        return schedule_for(self.lowered.stages, self.lowered.target, config)
+        target = self.lowered.target
+        if not target.is_gpu:
+            return schedule_for(self.lowered.stages, target, config)
+        full = self.tunable.check(config or {})
+        return gpu_schedule_for(
+            self.lowered.stages, target, {self.tunable.anchor.name: full}, func=self.lowered.func
+        )
 
     def space(self) -> list[dict[str, object]]:
         """Every config of the template's knobs that fits the registers, default first."""
@@ -83,12 +90,16 @@ def flops_of(tunable: Tunable) -> float:
 
 def extract_tasks(graph: Graph, target: Target | None = None) -> list[Task]:
     """The graph's tuning tasks for `target` (default: the host CPU), heaviest (FLOPs x
-    occurrences) first."""
+    occurrences) first. A GPU target's tasks are its groups whose heaviest stage has a
+    refined GPU template (dense, conv, row reductions); one thread per element is not tuned."""
     target = target or host_target()
     tasks: dict[str, Task] = {}
     for index, group in enumerate(graph.groups):
         lowered = lower_group(graph, group, index, target)
-        tunable = tunable_of(lowered.stages, target)
+        if target.is_gpu:
+            tunable = gpu_tunable_of(lowered.stages, target, lowered.func)
+        else:
+            tunable = tunable_of(lowered.stages, target)
         if tunable is None:
             continue
         key, workload = workload_of(lowered, tunable)

@@ -74,6 +74,8 @@ def _trailing_rows(ctx: KernelContext, value: str, x, axes) -> Rows | None:
     first = rank - len(axes)
     if list(axes) != list(range(first, rank)) or x.dtype != "float32":
         return None
+    if ctx.target.is_gpu:  # lane partials are a CPU vector-register decision
+        return None
     rows, n = tuple(x.shape[:first]), math.prod(x.shape[first:])
     if n < ctx.target.vector_lanes:
         return None

@@ -14,8 +14,10 @@ import numpy as np
 
 from compiler_core.loop.ir import (
     Allocate,
+    Barrier,
     Binary,
     Block,
+    Call,
     Cast,
     Const,
     Expr,
@@ -123,6 +125,8 @@ def _compile_expr(e: Expr) -> Callable[[Env], object]:
     if isinstance(e, Load):
         name, index = e.buffer.name, [_compile_expr(i) for i in e.indices]
         return lambda env: env[name][tuple(f(env) for f in index)]
+    if isinstance(e, Call):
+        raise TypeError(f"the interpreter runs one thread at a time: no warp intrinsic {e.name!r}")
     raise TypeError(f"the interpreter cannot evaluate {type(e).__name__}")
 
 
@@ -175,6 +179,10 @@ def _compile_stmt(s: Stmt) -> Callable[[Env], None]:
                 otherwise(env)
 
         return run_if
+    if isinstance(s, Barrier):
+        # Threads run one after another here, so a barrier cannot be honoured: GPU schedules
+        # that synchronise are checked through their OpenCL twin instead.
+        raise TypeError("the interpreter runs one thread at a time: it cannot run a barrier")
     raise TypeError(f"the interpreter cannot run {type(s).__name__}")
 
 

@@ -3,13 +3,21 @@
 One immutable node family per level: `Expr` for values (index arithmetic and data math),
 `Stmt` for effects. Every loop runs from 0 to `extent`. Python operators on expressions build
 IR, which is what tensor-expression bodies are written with.
+
+Every node names its child fields in `CHILD_FIELDS`; `children()` and `with_children()` are
+generic over them, so that rewriting, walking and simplifying need no per-node code and a new
+node is one class here (plus its meaning in the printer, interpreter and code generators).
+
+GPU kernels use the same nodes: loops bound to `blockIdx.x` ... `threadIdx.z`
+(`ForKind.THREAD_BINDING`), buffers in `shared` scope (one copy per thread block), `Barrier`
+(every thread of the block waits), and `Call` for warp intrinsics (`shfl_down`, `shfl_xor`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -21,14 +29,60 @@ class ForKind(enum.Enum):
     PARALLEL = "parallel"
     VECTORIZED = "vectorized"
     UNROLLED = "unrolled"
-    # GPU bindings (the GPU issue): a loop bound to blockIdx.x, threadIdx.x, ...
+    # A GPU loop whose iterations are blocks or threads: `For.binding` names which.
     THREAD_BINDING = "thread_binding"
+
+
+BLOCK_TAGS = ("blockIdx.x", "blockIdx.y", "blockIdx.z")
+THREAD_TAGS = ("threadIdx.x", "threadIdx.y", "threadIdx.z")
+BINDINGS = BLOCK_TAGS + THREAD_TAGS
+SCOPES = ("global", "local", "workspace", "shared")
+
+
+class Node:
+    """What every IR node shares: its children (expressions and statements) in field order."""
+
+    CHILD_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def children(self) -> tuple:
+        found: list = []
+        for field in self.CHILD_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, tuple):
+                found.extend(value)
+            elif value is not None:
+                found.append(value)
+        return tuple(found)
+
+    def with_children(self, children):
+        """The same node over `children` (in `children()` order); itself when none changed."""
+        children = tuple(children)
+        changes, k = {}, 0
+        for field in self.CHILD_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, tuple):
+                changes[field] = children[k : k + len(value)]
+                k += len(value)
+            elif value is not None:
+                changes[field] = children[k]
+                k += 1
+        if k != len(children):
+            raise ValueError(f"{type(self).__name__} has {k} children, not {len(children)}")
+        if all(
+            new is old
+            or isinstance(new, tuple)
+            and all(a is b for a, b in zip(new, old, strict=True))
+            for new, old in ((changes[f], getattr(self, f)) for f in changes)
+        ):
+            return self
+        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """A typed n-d array. `scope`: global (a kernel argument), local (registers/stack) or
-    workspace (carved from the module's preallocated workspace)."""
+    """A typed n-d array. `scope`: global (a kernel argument), local (registers/stack, one per
+    thread), workspace (carved from the module's preallocated workspace) or shared (GPU: one
+    per thread block, visible to all its threads)."""
 
     name: str
     shape: tuple[int, ...]
@@ -37,7 +91,7 @@ class Buffer:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if self.scope not in ("global", "local", "workspace"):
+        if self.scope not in SCOPES:
             raise ValueError(f"buffer {self.name!r}: unknown scope {self.scope!r}")
 
     @property
@@ -57,7 +111,7 @@ class Buffer:
 # --- expressions -------------------------------------------------------------------------------
 
 
-class Expr:
+class Expr(Node):
     """Base of every expression; subclasses are frozen dataclasses with a `dtype`."""
 
     dtype: str
@@ -155,6 +209,7 @@ ARITHMETIC = (
 
 @dataclasses.dataclass(frozen=True)
 class Binary(Expr):
+    CHILD_FIELDS = ("a", "b")
     op: str
     a: Expr
     b: Expr
@@ -200,6 +255,7 @@ UNARY_OPS = (
 
 @dataclasses.dataclass(frozen=True)
 class Unary(Expr):
+    CHILD_FIELDS = ("a",)
     op: str
     a: Expr
 
@@ -214,6 +270,7 @@ class Unary(Expr):
 
 @dataclasses.dataclass(frozen=True)
 class Select(Expr):
+    CHILD_FIELDS = ("cond", "a", "b")
     cond: Expr
     a: Expr
     b: Expr
@@ -225,18 +282,39 @@ class Select(Expr):
 
 @dataclasses.dataclass(frozen=True)
 class Cast(Expr):
+    CHILD_FIELDS = ("a",)
     dtype: str
     a: Expr
 
 
 @dataclasses.dataclass(frozen=True)
 class Load(Expr):
+    CHILD_FIELDS = ("indices",)
     buffer: Buffer
     indices: tuple[Expr, ...]
 
     @property
     def dtype(self) -> str:  # type: ignore[override]
         return self.buffer.dtype
+
+
+# Warp intrinsics: (value, lane offset) -> the value held by another lane of the warp.
+WARP_INTRINSICS = ("shfl_down", "shfl_xor")
+WARP_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Call(Expr):
+    """An intrinsic the code generators know by name (the warp shuffles)."""
+
+    CHILD_FIELDS = ("args",)
+    name: str
+    args: tuple[Expr, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.name not in WARP_INTRINSICS:
+            raise ValueError(f"unknown intrinsic {self.name!r}")
 
 
 def as_expr(value, dtype: str | None = None) -> Expr:
@@ -285,24 +363,30 @@ def logical_and(a, b) -> Expr:
 # --- statements --------------------------------------------------------------------------------
 
 
-class Stmt:
+class Stmt(Node):
     """Base of every statement."""
 
 
 @dataclasses.dataclass(frozen=True)
 class For(Stmt):
+    CHILD_FIELDS = ("body",)
     var: Var
     extent: int
     body: Stmt
     kind: ForKind = ForKind.SERIAL
-    binding: str | None = None
+    binding: str | None = None  # with THREAD_BINDING: "blockIdx.x", "threadIdx.y", ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extent", int(self.extent))
+        if (self.kind == ForKind.THREAD_BINDING) != (self.binding is not None):
+            raise ValueError(f"loop {self.var.name!r}: a binding goes with THREAD_BINDING")
+        if self.binding is not None and self.binding not in BINDINGS:
+            raise ValueError(f"loop {self.var.name!r}: unknown binding {self.binding!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Store(Stmt):
+    CHILD_FIELDS = ("indices", "value")
     buffer: Buffer
     indices: tuple[Expr, ...]
     value: Expr
@@ -313,12 +397,14 @@ class Store(Stmt):
 
 @dataclasses.dataclass(frozen=True)
 class Allocate(Stmt):
+    CHILD_FIELDS = ("body",)
     buffer: Buffer
     body: Stmt
 
 
 @dataclasses.dataclass(frozen=True)
 class IfThenElse(Stmt):
+    CHILD_FIELDS = ("cond", "then", "otherwise")
     cond: Expr
     then: Stmt
     otherwise: Stmt | None = None
@@ -326,6 +412,7 @@ class IfThenElse(Stmt):
 
 @dataclasses.dataclass(frozen=True)
 class Block(Stmt):
+    CHILD_FIELDS = ("stmts",)
     stmts: tuple[Stmt, ...]
 
     def __post_init__(self) -> None:
@@ -333,6 +420,12 @@ class Block(Stmt):
         for stmt in self.stmts:
             flat.extend(stmt.stmts if isinstance(stmt, Block) else (stmt,))
         object.__setattr__(self, "stmts", tuple(flat))
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier(Stmt):
+    """GPU: every thread of the block waits here, and sees the shared-memory writes made
+    before it (`__syncthreads()`, OpenCL's `barrier(CLK_LOCAL_MEM_FENCE)`)."""
 
 
 def seq(*stmts: Stmt) -> Stmt:

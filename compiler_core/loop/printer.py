@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from compiler_core.loop.ir import (
     Allocate,
+    Barrier,
     Binary,
     Block,
     Buffer,
+    Call,
     Cast,
     Const,
     Expr,
@@ -64,6 +66,8 @@ def format_expr(e: Expr) -> str:
         return f"{e.dtype}({format_expr(e.a)})"
     if isinstance(e, Load):
         return f"{e.buffer.name}[{', '.join(format_expr(i) for i in e.indices)}]"
+    if isinstance(e, Call):
+        return f"{e.name}({', '.join(format_expr(a) for a in e.args)})"
     raise TypeError(f"cannot print {type(e).__name__}")
 
 
@@ -94,6 +98,8 @@ def format_stmt(s: Stmt, indent: int = 0) -> list[str]:
         if s.otherwise is not None:
             lines += [f"{pad}else:", *format_stmt(s.otherwise, indent + 1)]
         return lines
+    if isinstance(s, Barrier):
+        return [f"{pad}barrier()"]
     raise TypeError(f"cannot print {type(s).__name__}")
 
 

@@ -7,24 +7,19 @@ is what bound inference for compute_at and cache_write needs.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from compiler_core.loop.ir import (
     INDEX,
-    Allocate,
     Binary,
-    Block,
     Const,
     Expr,
     For,
-    IfThenElse,
     PrimFunc,
     Stmt,
-    Store,
     Var,
 )
-from compiler_core.loop.transform import map_expr, map_stmt
+from compiler_core.loop.transform import map_expr
 
 _FOLD = {
     "add": lambda a, b: a + b,
@@ -137,19 +132,11 @@ def simplify_stmt(s: Stmt, ranges: Mapping[str, int] | None = None) -> Stmt:
     """Simplify every expression, knowing each loop variable's range where it is bound."""
     ranges = dict(ranges or {})
     if isinstance(s, For):
-        inner = {**ranges, s.var.name: s.extent}
-        return dataclasses.replace(s, body=simplify_stmt(s.body, inner))
-    if isinstance(s, Block):
-        return Block(tuple(simplify_stmt(x, ranges) for x in s.stmts))
-    if isinstance(s, Allocate):
-        return Allocate(s.buffer, simplify_stmt(s.body, ranges))
-    if isinstance(s, IfThenElse):
-        otherwise = simplify_stmt(s.otherwise, ranges) if s.otherwise is not None else None
-        return IfThenElse(simplify_expr(s.cond, ranges), simplify_stmt(s.then, ranges), otherwise)
-    if isinstance(s, Store):
-        indices = tuple(simplify_expr(i, ranges) for i in s.indices)
-        return Store(s.buffer, indices, simplify_expr(s.value, ranges))
-    return map_stmt(s, _simplify_node)
+        ranges[s.var.name] = s.extent
+    return s.with_children(
+        simplify_stmt(c, ranges) if isinstance(c, Stmt) else simplify_expr(c, ranges)
+        for c in s.children()
+    )
 
 
 def simplify(func: PrimFunc) -> PrimFunc:

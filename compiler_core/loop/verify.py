@@ -27,9 +27,7 @@ def _scoped(func: PrimFunc) -> Iterator[tuple[Stmt, frozenset[str], frozenset[Bu
         elif isinstance(stmt, Allocate):
             stack.append((stmt.body, names, buffers | {stmt.buffer}))
         else:
-            children = getattr(stmt, "stmts", None) or [
-                c for c in (getattr(stmt, "then", None), getattr(stmt, "otherwise", None)) if c
-            ]
+            children = [c for c in stmt.children() if isinstance(c, Stmt)]
             stack.extend((c, names, buffers) for c in children)
 
 

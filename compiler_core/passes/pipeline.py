@@ -1,7 +1,9 @@
 """The one ordered pass pipeline. Each entry is (name, run); any stage can be dumped by name.
 
 One pass depends on the target: the layout pass blocks channels by the target's vector width.
-`pipeline(target)` binds it; every other pass is target-independent.
+`pipeline(target)` binds it (a GPU target keeps NCHW: threads of a warp read consecutive
+positions of one channel, and channel blocks for vector registers are a CPU decision); every
+other pass is target-independent.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ from compiler_core.target import Target, host_target
 Pass = Callable[[Graph], Graph]
 
 
+def _keep_layout(graph: Graph) -> Graph:
+    return graph
+
+
 def pipeline(target: Target) -> tuple[tuple[str, Pass], ...]:
-    layout = functools.partial(transform_layout.run, lanes=target.vector_lanes)
+    if target.is_gpu:
+        layout: Pass = _keep_layout
+    else:
+        layout = functools.partial(transform_layout.run, lanes=target.vector_lanes)
     return tuple((name, layout if run is transform_layout.run else run) for name, run in PIPELINE)
 
 

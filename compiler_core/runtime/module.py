@@ -27,6 +27,12 @@ from compiler_core.errors import UserError
 from compiler_core.runtime.library import KernelLibrary, set_num_threads
 
 MEMBERS = ("model.so", "weights.bin", "plan.json")
+# What an archive of each target kind must hold (besides manifest.json); other members the
+# manifest lists (a cuda archive's model.cubin) are checked as well.
+MEMBERS_BY_KIND = {
+    "llvm": MEMBERS,
+    "cuda": ("model.ptx", "kernels.cl", "weights.bin", "plan.json"),
+}
 ENTRY = "kiln_main"
 ALIGNMENT = 64
 
@@ -43,19 +49,34 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def target_kind(manifest: dict) -> str:
+    return str(manifest.get("target", "llvm")).split(" ", 1)[0]
+
+
 def read_members(source: str | os.PathLike | bytes) -> dict[str, bytes]:
     data = bytes(source) if isinstance(source, (bytes, bytearray)) else Path(source).read_bytes()
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             names = set(archive.namelist())
-            missing = {"manifest.json", *MEMBERS} - names
+            if "manifest.json" not in names:
+                raise ArchiveError("module archive lacks manifest.json")
+            manifest = json.loads(archive.read("manifest.json"))
+            kind = target_kind(manifest)
+            if kind not in MEMBERS_BY_KIND:
+                raise ArchiveError(f"module archive for an unknown target kind {kind!r}")
+            listed = set(manifest.get("members", {}))
+            missing = ({*MEMBERS_BY_KIND[kind]} | listed) - names
             if missing:
                 raise ArchiveError(f"module archive lacks {', '.join(sorted(missing))}")
-            members = {name: archive.read(name) for name in ("manifest.json", *MEMBERS)}
+            wanted = ("manifest.json", *MEMBERS_BY_KIND[kind], *sorted(listed))
+            members = {name: archive.read(name) for name in wanted}
     except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile) as err:
         raise ArchiveError(f"not a readable module archive (truncated or corrupt): {err}") from None
-    manifest = json.loads(members["manifest.json"])
-    for name in MEMBERS:
+    except json.JSONDecodeError as err:
+        raise ArchiveError(f"module archive has an unreadable manifest: {err}") from None
+    for name in members:
+        if name == "manifest.json":
+            continue
         expected = manifest.get("members", {}).get(name)
         if expected != sha256(members[name]):
             raise ArchiveError(f"module archive member {name!r} fails its sha256 check")
@@ -72,8 +93,34 @@ def _aligned_buffer(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
 Signature = list[tuple[str, tuple[int, ...], np.dtype]]
 
 
-def _signature(values: list[dict]) -> Signature:
+def signature(values: list[dict]) -> Signature:
     return [(v["name"], tuple(v["shape"]), np.dtype(v["dtype"])) for v in values]
+
+
+def check_names(expected_signature: Signature, inputs: Mapping[str, np.ndarray]) -> None:
+    expected = [name for name, _, _ in expected_signature]
+    unknown = sorted(set(inputs) - set(expected))
+    missing = [name for name in expected if name not in inputs]
+    if unknown or missing:
+        raise InputError(
+            f"inputs do not match the module: missing {missing}, unknown {unknown}; "
+            f"expected {expected}"
+        )
+
+
+def check_inputs(expected: Signature, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """The inputs as contiguous arrays in signature order; an InputError names any mismatch."""
+    check_names(expected, inputs)
+    arrays = []
+    for name, shape, dtype in expected:
+        array = np.asarray(inputs[name])
+        if array.shape != shape or array.dtype != dtype:
+            raise InputError(
+                f"input {name!r} is {array.dtype}{list(array.shape)}, "
+                f"the module expects {dtype}{list(shape)}"
+            )
+        arrays.append(np.ascontiguousarray(array))
+    return arrays
 
 
 @dataclasses.dataclass
@@ -94,12 +141,38 @@ class _Plan:
         return cls(
             batch,
             entry,
-            _signature(plan["inputs"]),
-            _signature(plan["outputs"]),
+            signature(plan["inputs"]),
+            signature(plan["outputs"]),
             plan["kernels"],
             plan["workspace_offsets"],
             plan["weight_offsets"],
         )
+
+
+def request_batch(expected: Signature, buckets: list[int], inputs: Mapping[str, np.ndarray]) -> int:
+    """The batch (axis 0) of a request to a bucketed module, or an InputError naming what
+    does not fit: every input at the signature's shape past axis 0, one batch, within the
+    largest bucket."""
+    check_names(expected, inputs)
+    largest = buckets[-1]
+    batches = set()
+    for name, shape, dtype in expected:
+        array = np.asarray(inputs[name])
+        if array.dtype != dtype or array.ndim != len(shape) or array.shape[1:] != shape[1:]:
+            wanted = ["N", *shape[1:]]
+            raise InputError(
+                f"input {name!r} is {array.dtype}{list(array.shape)}, the module expects "
+                f"{dtype}{wanted} with a batch N of 1 to {largest}"
+            )
+        batches.add(array.shape[0])
+    if len(batches) != 1:
+        raise InputError(f"inputs disagree on the batch (axis 0): {sorted(batches)}")
+    (batch,) = batches
+    if not 1 <= batch <= largest:
+        raise InputError(
+            f"batch {batch} is outside the module's buckets {buckets} (the largest is {largest})"
+        )
+    return batch
 
 
 class Module:
@@ -108,8 +181,8 @@ class Module:
         plan = json.loads(members["plan.json"])
         # The signature: for a bucketed archive, the largest bucket's (axis 0 of every input and
         # output takes any batch up to it).
-        self.inputs = _signature(plan["inputs"])
-        self.outputs = _signature(plan["outputs"])
+        self.inputs = signature(plan["inputs"])
+        self.outputs = signature(plan["outputs"])
         self.batch_buckets: list[int] | None = plan.get("batch_buckets")
         self._dir = tempfile.TemporaryDirectory(prefix="kiln-module-")
         library = Path(self._dir.name) / "model.so"
@@ -127,30 +200,10 @@ class Module:
         self._workspace_owner, self._workspace = _aligned_buffer(plan["workspace_bytes"])
         set_num_threads(num_threads or int(os.environ.get("KILN_NUM_THREADS", os.cpu_count())))
 
-    def _check_names(self, inputs: Mapping[str, np.ndarray]) -> None:
-        expected = [name for name, _, _ in self.inputs]
-        unknown = sorted(set(inputs) - set(expected))
-        missing = [name for name in expected if name not in inputs]
-        if unknown or missing:
-            raise InputError(
-                f"inputs do not match the module: missing {missing}, unknown {unknown}; "
-                f"expected {expected}"
-            )
-
     def _checked(self, inputs: Mapping[str, np.ndarray]) -> tuple[_Plan, list[np.ndarray], int]:
         """(the plan to run, its input arrays, the request's batch)."""
-        self._check_names(inputs)
         if not self.batch_buckets:
-            arrays = []
-            for name, shape, dtype in self.inputs:
-                array = np.asarray(inputs[name])
-                if array.shape != shape or array.dtype != dtype:
-                    raise InputError(
-                        f"input {name!r} is {array.dtype}{list(array.shape)}, "
-                        f"the module expects {dtype}{list(shape)}"
-                    )
-                arrays.append(np.ascontiguousarray(array))
-            return self._plans[0], arrays, 0
+            return self._plans[0], check_inputs(self.inputs, inputs), 0
         batch = self._batch_of(inputs)
         plan = next(p for p in self._plans if p.batch >= batch)
         arrays = []
@@ -165,26 +218,7 @@ class Module:
         return plan, arrays, batch
 
     def _batch_of(self, inputs: Mapping[str, np.ndarray]) -> int:
-        largest = self.batch_buckets[-1]
-        batches = set()
-        for name, shape, dtype in self.inputs:
-            array = np.asarray(inputs[name])
-            if array.dtype != dtype or array.ndim != len(shape) or array.shape[1:] != shape[1:]:
-                expected = ["N", *shape[1:]]
-                raise InputError(
-                    f"input {name!r} is {array.dtype}{list(array.shape)}, the module expects "
-                    f"{dtype}{expected} with a batch N of 1 to {largest}"
-                )
-            batches.add(array.shape[0])
-        if len(batches) != 1:
-            raise InputError(f"inputs disagree on the batch (axis 0): {sorted(batches)}")
-        (batch,) = batches
-        if not 1 <= batch <= largest:
-            raise InputError(
-                f"batch {batch} is outside the module's buckets {self.batch_buckets} "
-                f"(the largest is {largest})"
-            )
-        return batch
+        return request_batch(self.inputs, self.batch_buckets, inputs)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         plan, arrays, batch = self._checked(inputs)
@@ -243,8 +277,32 @@ class Module:
         return [(name, float(np.median(samples[name]))) for name, _, _ in calls]
 
 
-def load(source, num_threads: int | None = None) -> Module:
-    """Load an archive given as a path, bytes, or an object with `to_bytes()`."""
+DEVICES = ("cuda", "opencl")
+
+
+def load(source, num_threads: int | None = None, device: str | None = None):
+    """Load an archive given as a path, bytes, or an object with `to_bytes()`.
+
+    A CPU archive runs here (`num_threads` threads). A `cuda` archive runs on an NVIDIA GPU
+    through pycuda (`device="cuda"`, the default; NoCudaDeviceError where there is none), or
+    as its OpenCL twin on any OpenCL device (`device="opencl"`: PoCL runs it on the CPU)."""
     if hasattr(source, "to_bytes"):
         source = source.to_bytes()
-    return Module(read_members(source), num_threads)
+    members = read_members(source)
+    kind = target_kind(json.loads(members["manifest.json"]))
+    if kind == "llvm":
+        if device not in (None, "cpu"):
+            raise InputError(f"a CPU archive runs on the CPU, not on device {device!r}")
+        return Module(members, num_threads)
+    device = device or "cuda"
+    if device not in DEVICES:
+        raise InputError(f"unknown device {device!r} for a {kind} archive (one of {DEVICES})")
+    from compiler_core.runtime.device import DeviceModule
+
+    if device == "cuda":
+        from compiler_core.runtime.cuda import CudaBackend
+
+        return DeviceModule(members, CudaBackend())
+    from compiler_core.runtime.opencl import OpenCLBackend
+
+    return DeviceModule(members, OpenCLBackend())

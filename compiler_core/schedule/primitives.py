@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 
 from compiler_core.loop.ir import (
+    BINDINGS,
+    BLOCK_TAGS,
     INDEX,
+    THREAD_TAGS,
     Allocate,
+    Barrier,
     Binary,
     Block,
     Buffer,
@@ -25,6 +30,7 @@ from compiler_core.loop.ir import (
     IfThenElse,
     Load,
     PrimFunc,
+    Select,
     Stmt,
     Store,
     Var,
@@ -119,6 +125,38 @@ class CacheWrite:
     loop: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Bind:
+    """GPU: run the iterations of `loop` as the blocks or threads named by `thread`
+    (`blockIdx.x` ... `threadIdx.z`)."""
+
+    loop: str
+    thread: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRead:
+    """GPU: stage the part of `buffer` that one iteration of `loop` reads, for every thread of
+    the block, in shared memory: the block's threads copy it cooperatively at the top of the
+    iteration, a barrier publishes it, the iteration reads the copy, and a second barrier
+    keeps the next iteration's copy from overwriting what a slower thread still reads."""
+
+    buffer: str
+    loop: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossThreadReduce:
+    """GPU: one block per output element of the reduction `stage` (its spatial loops become
+    blockIdx.x); each of the block's `threads` threads folds a strided share of the reduction
+    in a register (consecutive threads read consecutive elements), then the partial results
+    are combined in shared memory by a tree that halves each step, barrier-separated, and
+    thread 0 stores the result."""
+
+    stage: str
+    threads: int
+
+
 Record = (
     Split
     | SplitOverlap
@@ -131,6 +169,9 @@ Record = (
     | ReverseComputeInline
     | ComputeAt
     | CacheWrite
+    | Bind
+    | CacheRead
+    | CrossThreadReduce
 )
 RECORD_TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -146,6 +187,9 @@ RECORD_TYPES: dict[str, type] = {
         ReverseComputeInline,
         ComputeAt,
         CacheWrite,
+        Bind,
+        CacheRead,
+        CrossThreadReduce,
     )
 }
 MAX_VECTOR_LANES = 64
@@ -671,6 +715,239 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     return _with_body(func, replace_stmt(func.body, target, new))
 
 
+# --- GPU primitives ----------------------------------------------------------------------------
+
+
+def bind(func: PrimFunc, r: Bind) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    if r.thread not in BINDINGS:
+        raise ScheduleError(f"{r}: unknown binding {r.thread!r} (one of {', '.join(BINDINGS)})")
+    if loop.kind not in (ForKind.SERIAL, ForKind.THREAD_BINDING):
+        raise ScheduleError(f"{r}: {r.loop!r} is already {loop.kind.value}")
+    path = _loops_above(func.body, loop) or []
+    inner = [s for s in walk_stmts(loop.body) if isinstance(s, For)]
+    if any(x.binding == r.thread for x in path + inner):
+        raise ScheduleError(f"{r}: {r.thread} is already bound around or inside {r.loop!r}")
+    if r.thread in BLOCK_TAGS and any(x.binding in THREAD_TAGS for x in path):
+        raise ScheduleError(f"{r}: a block binding cannot sit inside a thread binding")
+    if r.thread in THREAD_TAGS and any(x.binding in BLOCK_TAGS for x in inner):
+        raise ScheduleError(f"{r}: a thread binding cannot enclose a block binding")
+    if not _stores_depend_on(loop):
+        raise ScheduleError(f"{r}: iterations write the same element (a reduction loop)")
+    bound = dataclasses.replace(loop, kind=ForKind.THREAD_BINDING, binding=r.thread)
+    return _with_body(func, replace_stmt(func.body, loop, bound))
+
+
+def _block_threads(path: list[For]) -> list[For]:
+    """The thread-bound loops among `path` (the loops around a point), outermost first."""
+    return [x for x in path if x.binding in THREAD_TAGS]
+
+
+def cache_read(func: PrimFunc, r: CacheRead) -> PrimFunc:
+    loop = _loop(func, r.loop, r)
+    path = _loops_above(func.body, loop) or []
+    threads = _block_threads(path)
+    if not any(x.binding in BLOCK_TAGS for x in path):
+        raise ScheduleError(f"{r}: {r.loop!r} is not inside a block binding")
+    if any(s.kind == ForKind.THREAD_BINDING for s in walk_stmts(loop.body) if isinstance(s, For)):
+        raise ScheduleError(f"{r}: {r.loop!r} must be inside the thread bindings, not around them")
+    buffers = {
+        x.buffer
+        for s in walk_stmts(loop.body)
+        for e in stmt_exprs(s)
+        for x in walk_exprs(e)
+        if isinstance(x, Load) and x.buffer.name == r.buffer
+    }
+    if len(buffers) != 1:
+        raise ScheduleError(f"{r}: nothing inside {r.loop!r} reads a buffer named {r.buffer!r}")
+    (buffer,) = buffers
+    # Written by an earlier nest of the group, it is a finished kernel's output by the time
+    # this nest runs; written by this nest, a copy would go stale.
+    if any(isinstance(s, Store) and s.buffer == buffer for s in walk_stmts(path[0])):
+        raise ScheduleError(f"{r}: {r.buffer!r} is written by the nest that reads it")
+    # The tile covers what every thread of the block reads in one iteration of `loop`.
+    ranges = {x.var.name: x.extent for x in threads} | {
+        s.var.name: s.extent for s in walk_stmts(loop.body) if isinstance(s, For)
+    }
+    starts, extents = _region(loop, buffer, ranges)
+    tile = Buffer(f"{buffer.name}_shared_{r.loop}", tuple(extents), buffer.dtype, "shared")
+    copy = _cooperative_copy(func, loop, buffer, tile, starts, threads)
+
+    def redirect(e: Expr):
+        if isinstance(e, Load) and e.buffer == buffer:
+            return Load(
+                tile, tuple(Binary("sub", i, st) for i, st in zip(e.indices, starts, strict=True))
+            )
+        return None
+
+    moved = dataclasses.replace(
+        loop, body=Allocate(tile, _staged(copy, map_stmt(loop.body, redirect)))
+    )
+    return _with_body(func, replace_stmt(func.body, loop, moved))
+
+
+def _staged(copy: Stmt, body: Stmt) -> Stmt:
+    """copy; barrier; body; barrier — or, when `body` already stages another operand (shared
+    allocations around copies, a barrier, the computation, a barrier), the copy joins the
+    other copies before that same first barrier."""
+    allocations = []
+    inner = body
+    while isinstance(inner, Allocate) and inner.buffer.scope == "shared":
+        allocations.append(inner.buffer)
+        inner = inner.body
+    stmts = inner.stmts if isinstance(inner, Block) else (inner,)
+    barriers = [k for k, x in enumerate(stmts) if isinstance(x, Barrier)]
+    if not allocations or len(barriers) < 2 or barriers[-1] != len(stmts) - 1:
+        return seq(copy, Barrier(), body, Barrier())
+    first = barriers[0]
+    result: Stmt = Block((*stmts[:first], copy, *stmts[first:]))
+    for buffer in reversed(allocations):
+        result = Allocate(buffer, result)
+    return result
+
+
+def _cooperative_copy(func, loop: For, buffer: Buffer, tile: Buffer, starts, threads) -> Stmt:
+    """Every thread of the block copies elements t, t + T, t + 2T ... of the tile (t: its
+    linear thread index, T: the block's threads), so that consecutive threads read
+    consecutive addresses. Elements past the buffer's end are filled with zeros (the
+    computation never reads them: its own guards cut them off)."""
+    count = max(1, math.prod(x.extent for x in threads))
+    linear: Expr = Const(0, INDEX)
+    for x in threads:
+        linear = Binary("add", Binary("mul", linear, Const(x.extent, INDEX)), x.var)
+    step = Var(f"{tile.name}_c")
+    flat = Binary("add", Binary("mul", step, Const(count, INDEX)), linear)
+    index, rest = [], flat
+    for extent in reversed(tile.shape):
+        index.append(Binary("mod", rest, Const(extent, INDEX)))
+        rest = Binary("floordiv", rest, Const(extent, INDEX))
+    index.reverse()
+    source = tuple(Binary("add", st, i) for st, i in zip(starts, index, strict=True))
+    ranges = _enclosing_ranges(func, loop) | {loop.var.name: loop.extent}
+    guards = [
+        Binary("lt", src, Const(size, INDEX))
+        for src, st, e, size in zip(source, starts, tile.shape, buffer.shape, strict=True)
+        if _needs_guard(st, e, size, ranges)
+    ]
+    store: Stmt = Store(tile, tuple(index), Load(buffer, source))
+    if guards:  # a branch, not a select: the load itself must not run past the buffer
+        inside = guards[0]
+        for g in guards[1:]:
+            inside = Binary("and", inside, g)
+        store = IfThenElse(inside, store, Store(tile, tuple(index), Const(0, buffer.dtype)))
+    steps = -(-tile.size // count)
+    if steps * count != tile.size:
+        store = IfThenElse(Binary("lt", flat, Const(tile.size, INDEX)), store)
+    return For(step, steps, store, ForKind.UNROLLED if steps <= 8 else ForKind.SERIAL)
+
+
+def _unflatten(flat: Expr, extents: Sequence[int]) -> list[Expr]:
+    """Row-major indices of `flat` over `extents`."""
+    index: list[Expr] = []
+    for extent in reversed(extents):
+        index.append(Binary("mod", flat, Const(extent, INDEX)))
+        flat = Binary("floordiv", flat, Const(extent, INDEX))
+    return index[::-1]
+
+
+def _combiner(update: Store, buffer: Buffer, r) -> Callable[[Expr, Expr], Expr]:
+    """combine(a, b) of a reduction update `buffer = combine(buffer, term)` (as lowered)."""
+    acc, value = Load(buffer, update.indices), update.value
+    if isinstance(value, Binary) and value.a == acc and value.op in ("add", "mul", "min", "max"):
+        return lambda a, b: Binary(value.op, a, b)
+    if (
+        isinstance(value, Select)
+        and value.b == acc
+        and isinstance(value.cond, Binary)
+        and value.cond.b == acc
+        and value.cond.a == value.a
+    ):
+        op = value.cond.op
+        return lambda a, b: Select(Binary(op, b, a), b, a)
+    raise ScheduleError(f"{r}: {buffer.name!r} is not a reduction this primitive knows")
+
+
+def _reduction_parts(func: PrimFunc, r: CrossThreadReduce):
+    """(buffer, spatial loops, reduction loops, init value, update store) of a plain lowered
+    reduction nest: spatial loops, reduction loops, `if first: init` and the update."""
+    buffer, stores = _stage_buffer(func, r.stage, r)
+    nest = _stage_nest(func, buffer, r)
+    chain = _perfect_chain(nest)
+    rank = len(buffer.shape)
+    body = chain[-1].body
+    parts = body.stmts if isinstance(body, Block) else ()
+    if len(stores) != 2 or len(parts) != 2 or not isinstance(parts[0], IfThenElse):
+        raise ScheduleError(f"{r}: {r.stage!r} is not an untransformed reduction nest")
+    init, update = parts[0].then, parts[1]
+    spatial, reduction = chain[:rank], chain[rank:]
+    if [x.var for x in spatial] != list(update.indices) or not reduction:
+        raise ScheduleError(f"{r}: {r.stage!r}'s loops are not spatial then reduction")
+    if not isinstance(init, Store) or not isinstance(init.value, Const):
+        raise ScheduleError(f"{r}: {r.stage!r} has no constant initial value")
+    return buffer, nest, spatial, reduction, init.value, update
+
+
+def cross_thread_reduce(func: PrimFunc, r: CrossThreadReduce) -> PrimFunc:
+    threads = r.threads
+    if threads < 2 or threads & (threads - 1) or threads > 1024:
+        raise ScheduleError(f"{r}: threads must be a power of two in 2..1024")
+    buffer, nest, spatial, reduction, init, update = _reduction_parts(func, r)
+    combine = _combiner(update, buffer, r)
+    row, lane = Var(f"{r.stage}_row"), Var(f"{r.stage}_t")
+    step = Var(f"{r.stage}_c")
+    rows = math.prod(x.extent for x in spatial)
+    count = math.prod(x.extent for x in reduction)
+    where = dict(
+        zip(
+            [x.var.name for x in spatial], _unflatten(row, [x.extent for x in spatial]), strict=True
+        )
+    )
+    flat = Binary("add", Binary("mul", step, Const(threads, INDEX)), lane)
+    where |= dict(
+        zip(
+            [x.var.name for x in reduction],
+            _unflatten(flat, [x.extent for x in reduction]),
+            strict=True,
+        )
+    )
+    acc = Buffer(f"{r.stage}_acc", (1,), buffer.dtype, "local")
+    pair = Buffer(f"{r.stage}_pair", (1,), buffer.dtype, "local")
+    partials = Buffer(f"{r.stage}_red", (threads,), buffer.dtype, "shared")
+    zero = (Const(0, INDEX),)
+    term = substitute(update.value, where)
+    term = map_expr(
+        term, lambda e: Load(acc, zero) if isinstance(e, Load) and e.buffer == buffer else None
+    )
+    fold: Stmt = Store(acc, zero, term)
+    if count % threads:
+        fold = IfThenElse(Binary("lt", flat, Const(count, INDEX)), fold)
+    tree: list[Stmt] = []
+    half = threads // 2
+    while half >= 1:
+        inside = Binary("lt", lane, Const(half, INDEX))
+        other = Load(partials, (Binary("add", lane, Const(half, INDEX)),))
+        tree += [
+            IfThenElse(inside, Store(pair, zero, combine(Load(partials, (lane,)), other))),
+            Barrier(),
+            IfThenElse(inside, Store(partials, (lane,), Load(pair, zero))),
+            Barrier(),
+        ]
+        half //= 2
+    result = Store(buffer, tuple(where[x.var.name] for x in spatial), Load(partials, zero))
+    body = seq(
+        Store(acc, zero, init),
+        For(step, -(-count // threads), fold),
+        Store(partials, (lane,), Load(acc, zero)),
+        Barrier(),
+        *tree,
+        IfThenElse(Binary("eq", lane, Const(0, INDEX)), result),
+    )
+    body = Allocate(partials, Allocate(acc, Allocate(pair, body)))
+    thread_loop = For(lane, threads, body, ForKind.THREAD_BINDING, "threadIdx.x")
+    new = For(row, rows, thread_loop, ForKind.THREAD_BINDING, "blockIdx.x")
+    return _with_body(func, replace_stmt(func.body, nest, new))
+
+
 PRIMITIVES = {
     Split: split,
     SplitOverlap: split_overlap,
@@ -683,6 +960,9 @@ PRIMITIVES = {
     ReverseComputeInline: reverse_compute_inline,
     ComputeAt: compute_at,
     CacheWrite: cache_write,
+    Bind: bind,
+    CacheRead: cache_read,
+    CrossThreadReduce: cross_thread_reduce,
 }
 
 

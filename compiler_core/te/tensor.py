@@ -40,6 +40,8 @@ class Tensor:
 class TensorRead(Expr):
     """A read of a tensor element; lowering turns it into a Load of the tensor's buffer."""
 
+    CHILD_FIELDS = ("indices",)
+
     tensor: Tensor
     indices: tuple[Expr, ...]
 
@@ -61,7 +63,10 @@ class ReduceAxis(Var):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Reduction(Expr):
-    """combiner over `axes` of `source`, starting from `init` (sum: 0, max: -inf, ...)."""
+    """combiner over `axes` of `source`, starting from `init` (sum: 0, max: -inf, ...).
+    The axes bind variables; only `source` is a child."""
+
+    CHILD_FIELDS = ("source",)
 
     combiner: str
     source: Expr

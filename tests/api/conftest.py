@@ -151,7 +151,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
             pool="solo",
             concurrency=1,
             perform_ping_check=False,
-            queues=["cpu"],
+            queues=["cpu", "cuda.sm_90"],  # GPU archives build anywhere (PTX needs no GPU)
             shutdown_timeout=30,
         ) as worker,
     ):

@@ -184,6 +184,33 @@ def test_the_same_compilation_again_reuses_the_artifact(client_a, compiled):
     assert job["artifact"] == compiled["job"]["artifact"]
 
 
+def test_a_cuda_compilation_builds_ptx_verified_by_its_twin(client_a, compiled, stack):
+    body = {
+        "model": compiled["model"]["id"],
+        "target": "cuda -arch=sm_90",
+        "shapes": {"x": [3, IN]},
+    }
+    created = client_a.post("/v1/compilations", json=body)
+    assert created.status_code == 202, created.text
+    job = wait_for_job(client_a, created.json()["id"], timeout=120)
+    assert job["status"] == "done", job
+    archive = client_a.get(f"/v1/artifacts/{job['artifact']}").content
+    members = zipfile.ZipFile(io.BytesIO(archive)).namelist()
+    assert "model.ptx" in members and "kernels.cl" in members
+    manifest = client_a.get(f"/v1/artifacts/{job['artifact']}/manifest").json()
+    assert manifest["target"] == "cuda -arch=sm_90"
+    verification = manifest["verification"]
+    assert verification["passed"] is True and verification["device"] == "opencl twin"
+    twin = load(archive, device="opencl").run({"x": X})
+    np.testing.assert_allclose(twin["z"], mlp_expected(X), rtol=1e-5, atol=1e-5)
+    # This runtime server has no GPU: deploying says so instead of failing later.
+    deployed = client_a.post(
+        "/v1/deployments", json={"artifact": job["artifact"], "name": "gpu-mlp", "version": "1"}
+    )
+    assert deployed.status_code in (400, 422), deployed.text
+    assert "no CUDA device" in deployed.text
+
+
 def test_health_and_metrics(anonymous):
     assert anonymous.get("/health/live").json() == {"status": "ok", "checks": {}}
     ready = anonymous.get("/health/ready").json()

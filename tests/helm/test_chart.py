@@ -63,7 +63,9 @@ def expected_pools(values) -> dict[str, tuple[list[str], int]]:
         for p in defaults["pools"]
     }
     if values["gpuWorkers"]["enabled"]:
-        pools["gpu"] = ([f"cuda.{values['gpuWorkers']['arch']}"], 1)
+        # Builds of the architecture, and the tuned jobs that must measure on its GPUs.
+        arch = values["gpuWorkers"]["arch"]
+        pools["gpu"] = ([f"cuda.{arch}", f"cuda.{arch}.gpu"], 1)
     return pools
 
 

@@ -38,15 +38,18 @@ def platform(tmp_path):
     return settings, Ledger(SqliteBackend(tmp_path / "ledger.sqlite")), FileStore(tmp_path / "s")
 
 
-def new_job(platform, model: onnx.ModelProto, shapes=None, tenant="a", job_id="c-1") -> dict:
+def new_job(
+    platform, model: onnx.ModelProto, shapes=None, tenant="a", job_id="c-1", target="llvm"
+) -> dict:
     settings, ledger, store = platform
     digest = store.put_blob(model.SerializeToString())
     options = {"shapes": shapes, "tuning": None}
     now = time.time()
+    queue = "cpu" if target == "llvm" else "cuda.sm_90"
     return ledger.create_job({
         "id": job_id, "tenant": tenant, "model": "m-x", "model_digest": digest,
-        "target": "llvm", **options, "key": service.job_key(digest, "llvm", options, "test"),
-        "compiler_version": "test", "queue": "cpu", "status": "queued", "stage": "queued",
+        "target": target, **options, "key": service.job_key(digest, target, options, "test"),
+        "compiler_version": "test", "queue": queue, "status": "queued", "stage": "queued",
         "attempts": 0, "created": now, "updated": now,
     })  # fmt: skip
 
@@ -102,9 +105,20 @@ def test_an_unsupported_operator_fails_the_job_with_the_node_named(platform):
 
 
 def test_a_symbolic_input_without_a_shape_fails_with_the_input_named(platform):
+    """Only a batch axis has a default (1); a symbolic feature axis must be bound."""
+    nodes = [helper.make_node("Relu", ["x"], ["z"])]
+    model = make_model(nodes, [("x", FLOAT, [2, "features"])], [("z", FLOAT, [2, "features"])])
+    new_job(platform, model, shapes=None)
+    job = run(platform)
+    assert job["status"] == "failed" and "'x'" in job["error"] and "'features'" in job["error"]
+
+
+def test_an_unbound_batch_compiles_for_batch_one_and_the_manifest_says_so(platform):
+    _, _, store = platform
     new_job(platform, tiny_model(), shapes=None)
     job = run(platform)
-    assert job["status"] == "failed" and "'x'" in job["error"]
+    assert job["status"] == "done", job
+    assert job["verification"]["passed"] is True
 
 
 def test_a_cancelled_job_is_not_run(platform):
@@ -162,3 +176,30 @@ def test_a_job_with_a_tuning_budget_tunes_against_the_shared_log(platform):
     assert len(FileLog(settings.data_dir / "tuning.jsonl").records()) == 5
     kernels = load(store.get_blob(job["artifact"])).manifest["kernels"].values()
     assert any(isinstance(k, dict) and k["schedule"] == "tuned" for k in kernels)
+
+
+def test_tuning_a_cuda_job_on_a_worker_without_a_gpu_fails_saying_where_to_tune(platform):
+    from compiler_core.runtime.cuda import cuda_available
+
+    if cuda_available()[0]:
+        pytest.skip("a CUDA device is here: the job would tune on it")
+    settings, ledger, store = platform
+    new_job(platform, tiny_model(), {"x": [4, 8]}, target="cuda -arch=sm_90")
+    ledger.update_job("c-1", tuning={"trials": 5})
+    job = run(platform)
+    assert job["status"] == "failed" and "no CUDA device" in job["error"], job
+    assert "OpenCL twin" in job["error"]
+    assert (
+        not (settings.data_dir / "tuning.jsonl").exists()
+        or not FileLog(settings.data_dir / "tuning.jsonl").records()
+    )
+
+
+def test_tuned_cuda_jobs_go_to_a_queue_only_gpu_workers_consume():
+    from tuner_workers.__main__ import cpu_queues
+    from tuner_workers.celery_app import queue_for_target
+
+    assert queue_for_target("cuda -arch=sm_80") == "cuda.sm_80"
+    assert queue_for_target("cuda -arch=sm_80", tuned=True) == "cuda.sm_80.gpu"
+    assert queue_for_target("llvm", tuned=True) == "cpu"
+    assert "cuda.sm_80" in cpu_queues() and "cuda.sm_80.gpu" not in cpu_queues()

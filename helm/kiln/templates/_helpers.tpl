@@ -113,7 +113,7 @@ workers come from the same loop.
 {{- $_ := set $pool "name" "gpu" }}
 {{- $_ := set $pool "gpu" true }}
 {{- $_ := set $pool "image" (include "kiln.cudaImage" .) }}
-{{- $_ := set $pool "queues" (list (printf "cuda.%s" .Values.gpuWorkers.arch)) }}
+{{- $_ := set $pool "queues" (list (printf "cuda.%s" .Values.gpuWorkers.arch) (printf "cuda.%s.gpu" .Values.gpuWorkers.arch)) }}
 {{- /* One job at a time: a job owns the GPU's context while it measures kernels. */}}
 {{- $_ := set $pool "concurrency" 1 }}
 {{- $pools = append $pools $pool }}

@@ -1,0 +1,109 @@
+"""Kiln's GPU archives against ONNX Runtime's CUDA provider, on an NVIDIA GPU, in one run.
+
+    .venv/bin/python -m bench.gpu [--models resnet18 mlp_b1] [--arch sm_90]
+
+Each shared model is compiled for `cuda -arch=<the GPU's architecture>` (read from the device
+when --arch is not given), run through `compiler_core.runtime` (pycuda), checked against ORT's
+output (rtol 1e-4 of the output's scale), and timed in alternating blocks against an ORT
+session on the CUDAExecutionProvider. GPU time is measured around synchronised runs, so both
+sides pay for their input and output copies. Without a GPU (or without pycuda, or without
+ORT's CUDA provider) it says so and exits 2: nothing here is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import compiler_core
+from bench.run import MODEL_CASES, MODELS_DIR, interleaved, model_file, stats
+from compiler_core.runtime import load
+from compiler_core.runtime.cuda import NoCudaDeviceError
+
+RTOL = 1e-4
+
+
+def _session(path, shapes) -> ort.InferenceSession:
+    model = onnx.load(str(path))
+    for value in model.graph.input:
+        for dim, size in zip(
+            value.type.tensor_type.shape.dim, (shapes or {}).get(value.name, ()), strict=False
+        ):
+            dim.Clear()
+            dim.dim_value = size
+    return ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
+
+
+def device_arch() -> str:
+    from compiler_core.runtime.cuda import CudaBackend
+
+    return CudaBackend().arch
+
+
+def bench_model(name: str, shapes, arch: str) -> dict:
+    path = MODELS_DIR / f"{model_file(name)}.onnx"
+    archive = compiler_core.compile(str(path), target=f"cuda -arch={arch}", shapes=shapes)
+    module = load(archive, device="cuda")
+    session = _session(path, shapes)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
+    ours = module.run(feeds)
+    theirs = dict(
+        zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True)
+    )
+    worst = 0.0
+    for key, value in ours.items():
+        scale = float(np.max(np.abs(theirs[key]))) or 1.0
+        worst = max(worst, float(np.max(np.abs(value - theirs[key]))) / scale)
+    times = interleaved(lambda: module.run(feeds), lambda: session.run(None, feeds))
+    a, b = stats(times["ours"]), stats(times["theirs"])
+    return {
+        "model": name,
+        "arch": arch,
+        "max_error_of_scale": worst,
+        "matches": worst <= RTOL,
+        "kiln": a,
+        "onnxruntime_cuda": b,
+        "ratio_median": a["median_ms"] / b["median_ms"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="*", default=list(MODEL_CASES))
+    parser.add_argument("--arch", help="sm_80, sm_90 ... (default: the GPU's own)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        print("bench.gpu: ONNX Runtime has no CUDA provider here (install onnxruntime-gpu)")
+        return 2
+    try:
+        arch = args.arch or device_arch()
+    except NoCudaDeviceError as err:
+        print(f"bench.gpu: {err}")
+        return 2
+    rows = [bench_model(name, MODEL_CASES[name], arch) for name in args.models]
+    print(
+        f"{'model':14s} {'kiln ms':>9s} {'ORT-CUDA ms':>12s} {'ratio':>7s} {'max err/scale':>14s}"
+    )
+    for row in rows:
+        print(
+            f"{row['model']:14s} {row['kiln']['median_ms']:9.3f} "
+            f"{row['onnxruntime_cuda']['median_ms']:12.3f} {row['ratio_median']:7.2f} "
+            f"{row['max_error_of_scale']:14.2e}"
+        )
+    worst = max(rows, key=lambda r: r["ratio_median"])
+    print(f"worst ratio: {worst['model']} {worst['ratio_median']:.2f} (kiln/ORT-CUDA, medians)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["matches"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

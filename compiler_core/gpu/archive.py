@@ -1,0 +1,74 @@
+"""A built GPU model -> archive members: PTX (and a cubin where ptxas is here), the OpenCL
+twin, weights, the launch plan and what the manifest says about them."""
+
+from __future__ import annotations
+
+import json
+
+from compiler_core.build import describe_types
+from compiler_core.codegen import nvptx, opencl
+from compiler_core.gpu.build import GpuModel
+
+
+def plan_of(model: GpuModel) -> dict:
+    graph = model.graph
+    named = {a for launch in model.launches for a in launch.args}
+    named |= set(model.weights.offsets)
+    copied = {
+        name: name if name in graph.inputs else name
+        for name in graph.outputs
+        if name in graph.inputs or name in graph.constants
+    }
+    return {
+        "inputs": describe_types(graph, graph.inputs),
+        "outputs": describe_types(graph, graph.outputs),
+        "workspace_bytes": model.memory.workspace_bytes,
+        "workspace_offsets": model.memory.offsets,
+        "weight_offsets": model.weights.offsets,
+        "values": [{"name": v, "nbytes": _nbytes(model, v)} for v in sorted(named)],
+        "launches": [
+            {"kernel": l.kernel, "grid": list(l.grid), "block": list(l.block), "args": list(l.args)}
+            for l in model.launches
+        ],
+        "copied_outputs": copied,
+    }
+
+
+def _nbytes(model: GpuModel, value: str) -> int:
+    if value in model.graph.types:
+        return model.graph.types[value].nbytes
+    for func in model.functions:  # a packed weight or a scratch buffer: its parameter's size
+        for launch in model.launches:
+            if launch.kernel == func.name and value in launch.args:
+                return func.params[launch.args.index(value)].nbytes
+    raise KeyError(value)
+
+
+def members_of(model: GpuModel) -> dict[str, bytes]:
+    """Every member except the manifest."""
+    arch = model.target.arch
+    ptx = nvptx.emit_ptx(model.functions, arch)
+    members = {
+        "model.ptx": ptx.encode(),
+        "kernels.cl": opencl.render_opencl(model.functions).encode(),
+        "weights.bin": model.weights.blob,
+        "plan.json": json.dumps(plan_of(model), indent=1).encode(),
+    }
+    cubin = nvptx.assemble(ptx, arch)
+    if cubin is not None:
+        members["model.cubin"] = cubin
+    return members
+
+
+def manifest_fields(model: GpuModel, tuned: dict[str, dict] | None = None) -> dict:
+    """`tuned`: what the tuning log supplied, by group (the rest use the default schedule)."""
+    tuned = tuned or {}
+    return {
+        "kernels": {name: tuned.get(name, "default schedule") for name in model.schedules},
+        "launches": len(model.launches),
+        "distinct_kernels": len(model.functions),
+        "memory": {
+            "workspace_bytes": model.memory.workspace_bytes,
+            "naive_bytes": model.memory.naive_bytes,
+        },
+    }

@@ -1,0 +1,118 @@
+"""The CUDA backend of `runtime/device.py`, on pycuda.
+
+pycuda is the optional `cuda` extra and is imported only when a CUDA archive is loaded; CUDA is
+initialised then, never at import (a worker that forks after importing the runtime stays
+usable). Without pycuda or without a device, loading fails with `NoCudaDeviceError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from compiler_core.errors import UserError
+
+
+class NoCudaDeviceError(UserError):
+    """A CUDA archive loaded where no NVIDIA GPU can run it."""
+
+
+def _driver():
+    """pycuda's driver, initialised, or NoCudaDeviceError("no CUDA device: <why>")."""
+    try:
+        import pycuda.driver as driver
+    except ImportError as err:
+        raise NoCudaDeviceError(f"no CUDA device: pycuda is not installed ({err})") from None
+    try:
+        driver.init()
+        count = driver.Device.count()
+    except driver.Error as err:
+        raise NoCudaDeviceError(
+            f"no CUDA device: the CUDA driver failed to start ({err})"
+        ) from None
+    if count == 0:
+        raise NoCudaDeviceError("no CUDA device: the CUDA driver sees no GPU")
+    return driver
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(whether a CUDA device is here, its name or why not). Initialises CUDA in this
+    process: call it where CUDA will run (a worker after its fork), not before forking."""
+    try:
+        driver = _driver()
+    except NoCudaDeviceError as err:
+        return False, str(err)
+    return True, driver.Device(0).name()
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, ordinal: int = 0):
+        try:
+            self._cuda = _driver()
+        except NoCudaDeviceError as err:
+            raise NoCudaDeviceError(
+                f"{err}. A cuda archive runs on an NVIDIA GPU with kiln[cuda] installed; here, "
+                "run its OpenCL twin with load(archive, device='opencl') (kiln run --device "
+                "opencl)"
+            ) from None
+        device = self._cuda.Device(ordinal)
+        self.arch = "sm_{}{}".format(*device.compute_capability())
+        self._context = device.retain_primary_context()
+        self._context.push()
+        self._stream = self._cuda.Stream()
+        self._keep: list = []  # allocations live as long as the module
+
+    def load(self, members: Mapping[str, bytes]) -> None:
+        # The cubin when it was built for this GPU's architecture, else the PTX (the driver
+        # compiles it for whatever GPU this is).
+        manifest_arch = members.get("manifest.json", b"")
+        image = members.get("model.cubin") if self.arch.encode() in manifest_arch else None
+        self._module = self._cuda.module_from_buffer(image or members["model.ptx"])
+
+    def function(self, name: str):
+        return self._module.get_function(name)
+
+    def alloc(self, nbytes: int):
+        allocation = self._cuda.mem_alloc(nbytes)
+        self._keep.append(allocation)
+        return np.uintp(int(allocation))
+
+    def view(self, buffer, offset: int, nbytes: int):
+        return np.uintp(int(buffer) + offset)
+
+    def upload(self, buffer, array: np.ndarray) -> None:
+        self._cuda.memcpy_htod_async(int(buffer), np.ascontiguousarray(array), self._stream)
+
+    def download(self, buffer, array: np.ndarray) -> None:
+        self._cuda.memcpy_dtoh_async(array, int(buffer), self._stream)
+        self._stream.synchronize()
+
+    def launch(self, function, grid: Sequence[int], block: Sequence[int], args: list) -> None:
+        function(*args, grid=tuple(grid), block=tuple(block), stream=self._stream)
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+
+    def time_launch(self, function, grid, block, args) -> float:
+        """One launch timed with CUDA events, in seconds."""
+        return self.time_launches([(function, grid, block, args)], 1)
+
+    def time_launches(self, launches, number: int) -> float:
+        """Seconds per pass of `launches` (function, grid, block, args), `number` passes timed
+        together with CUDA events on the stream."""
+        start, end = self._cuda.Event(), self._cuda.Event()
+        start.record(self._stream)
+        for _ in range(number):
+            for function, grid, block, args in launches:
+                self.launch(function, grid, block, args)
+        end.record(self._stream)
+        end.synchronize()
+        return start.time_till(end) / 1000.0 / number
+
+    def free_all(self) -> None:
+        """Release every allocation (the tuner's runner, between candidates)."""
+        self.synchronize()
+        self._keep.clear()

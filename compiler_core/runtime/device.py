@@ -1,0 +1,115 @@
+"""Run a GPU module archive: the launch plan over device memory, on a backend.
+
+The archive of a `cuda` target holds `model.ptx` (and `model.cubin` where ptxas was present at
+build time), `kernels.cl` (the OpenCL twin of the same kernels), `weights.bin` and `plan.json`
+(the launches in order, each with its grid, block and the value every argument names; the
+workspace offsets of intermediates). A backend provides device memory, the program and
+launches: `runtime/cuda.py` (pycuda, an NVIDIA GPU) and `runtime/opencl.py` (the twin, on any
+OpenCL device: PoCL on the CPU in the tests). Memory is allocated once per module; a run
+copies only the model's inputs in and its outputs out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from compiler_core.runtime.module import InputError, check_inputs, signature
+
+
+class Backend(Protocol):
+    name: str
+
+    def load(self, members: Mapping[str, bytes]) -> None: ...
+    def function(self, name: str): ...
+    def alloc(self, nbytes: int): ...
+    def view(self, buffer, offset: int, nbytes: int): ...
+    def upload(self, buffer, array: np.ndarray) -> None: ...
+    def download(self, buffer, array: np.ndarray) -> None: ...
+    def launch(self, function, grid: Sequence[int], block: Sequence[int], args: list) -> None: ...
+    def synchronize(self) -> None: ...
+    def time_launches(self, launches: list, number: int) -> float: ...
+    def free_all(self) -> None: ...
+
+
+class DeviceModule:
+    """A loaded GPU archive: `run(inputs) -> outputs`, as the CPU module."""
+
+    def __init__(self, members: Mapping[str, bytes], backend: Backend):
+        self.manifest = json.loads(members["manifest.json"])
+        plan = json.loads(members["plan.json"])
+        self.device = backend.name
+        self.inputs = signature(plan["inputs"])
+        self.outputs = signature(plan["outputs"])
+        self.batch_buckets = None
+        self._backend = backend
+        backend.load(members)
+        weights = np.frombuffer(members["weights.bin"], np.uint8)
+        self._weights = backend.alloc(max(len(weights), 1))
+        if len(weights):
+            backend.upload(self._weights, weights)
+        self._weight_bytes = weights
+        self._workspace = backend.alloc(max(plan["workspace_bytes"], 1))
+        self._io = {
+            name: backend.alloc(max(int(np.prod(shape)) * dtype.itemsize, 1))
+            for name, shape, dtype in self.inputs + self.outputs
+        }
+        sizes = {v["name"]: v for v in plan["values"]}
+        self._launches = [
+            (
+                launch["kernel"],
+                backend.function(launch["kernel"]),
+                tuple(launch["grid"]),
+                tuple(launch["block"]),
+                [self._pointer(value, plan, sizes) for value in launch["args"]],
+            )
+            for launch in plan["launches"]
+        ]
+        self._copied_outputs = plan["copied_outputs"]  # output -> an input or a weight
+        self._weight_offsets = plan["weight_offsets"]
+
+    def _pointer(self, value: str, plan: dict, sizes: dict):
+        if value in self._io:
+            return self._io[value]
+        nbytes = sizes[value]["nbytes"]
+        if value in plan["weight_offsets"]:
+            return self._backend.view(self._weights, plan["weight_offsets"][value], nbytes)
+        if value in plan["workspace_offsets"]:
+            return self._backend.view(self._workspace, plan["workspace_offsets"][value], nbytes)
+        raise InputError(f"plan names {value!r}, which is neither an input, output nor planned")
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        arrays = check_inputs(self.inputs, inputs)
+        for (name, _, _), array in zip(self.inputs, arrays, strict=True):
+            self._backend.upload(self._io[name], array)
+        for _, function, grid, block, args in self._launches:
+            self._backend.launch(function, grid, block, args)
+        self._backend.synchronize()
+        outputs = {}
+        for name, shape, dtype in self.outputs:
+            array = np.empty(shape, dtype)
+            source = self._copied_outputs.get(name)
+            if source is None:
+                self._backend.download(self._io[name], array)
+            elif source in self._weight_offsets:
+                start = self._weight_offsets[source]
+                raw = self._weight_bytes[start : start + array.nbytes]
+                array[...] = raw.view(dtype).reshape(shape)
+            else:
+                array[...] = arrays[[n for n, _, _ in self.inputs].index(source)]
+            outputs[name] = array
+        return outputs
+
+    def profile(self, inputs: Mapping[str, np.ndarray], repeats: int = 20):
+        """Each launch timed on its own (the backend's clock), in order: [(kernel, seconds)]."""
+        self.run(inputs)  # inputs in place, every buffer written once
+        timer = getattr(self._backend, "time_launch", None)
+        if timer is None:
+            raise InputError(f"the {self.device} backend has no per-kernel timer")
+        return [
+            (name, float(np.median([timer(function, grid, block, args) for _ in range(repeats)])))
+            for name, function, grid, block, args in self._launches
+        ]
