@@ -3,8 +3,8 @@ default made an explicit attribute, and ConvTranspose's output size fixed at imp
 
 from __future__ import annotations
 
+from compiler_core.frontend.common import UnsupportedError
 from compiler_core.frontend.convert_utils import Converter, all_inputs, all_outputs
-from compiler_core.frontend.onnx import UnsupportedError
 
 
 def _kernel(node, attrs, weight) -> tuple[int, ...]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from compiler_core.frontend.common import UnsupportedError
 from compiler_core.frontend.convert_utils import Converter, emit_reshape, input_at, ints
-from compiler_core.frontend.onnx import UnsupportedError
 
 RESIZE_ATTRS = {
     "mode": "nearest",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from compiler_core.frontend.common import onnx_dtype_name
 from compiler_core.frontend.convert_utils import (
     Converter,
     all_inputs,
@@ -14,7 +15,6 @@ from compiler_core.frontend.convert_utils import (
     input_at,
     ints,
 )
-from compiler_core.frontend.onnx import onnx_dtype_name
 
 
 def convert_scatter_elements(ctx, node, attrs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from compiler_core.frontend.common import onnx_dtype_name
 from compiler_core.frontend.convert_utils import (
     Converter,
     all_inputs,
@@ -9,7 +10,6 @@ from compiler_core.frontend.convert_utils import (
     convert_conv,
     input_at,
 )
-from compiler_core.frontend.onnx import onnx_dtype_name
 
 
 def convert_quantize(ctx, node, attrs):

@@ -7,8 +7,8 @@ linear_before_reset in 3, layout in 14) whose defaults give the earlier behaviou
 
 from __future__ import annotations
 
+from compiler_core.frontend.common import UnsupportedError
 from compiler_core.frontend.convert_utils import Converter, all_inputs, all_outputs
-from compiler_core.frontend.onnx import UnsupportedError
 from compiler_core.graph.ops.recurrent import (
     ACTIVATIONS,
     DEFAULT_ACTIVATIONS,

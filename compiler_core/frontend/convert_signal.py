@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from compiler_core.frontend.common import UnsupportedError, onnx_dtype_name
 from compiler_core.frontend.convert_utils import Converter, input_at
-from compiler_core.frontend.onnx import UnsupportedError, onnx_dtype_name
 
 # Generalized cosine windows: w[n] = sum_k (-1)^k a_k cos(2 pi k n / N).
 WINDOW_COEFFICIENTS = {

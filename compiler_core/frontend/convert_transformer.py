@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from compiler_core.frontend.common import UnsupportedError, onnx_dtype_name
 from compiler_core.frontend.convert_utils import Converter, all_inputs, all_outputs, input_at
-from compiler_core.frontend.onnx import UnsupportedError, onnx_dtype_name
 
 ATTENTION_DEFAULTS = {
     "is_causal": 0,

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto
 
-from compiler_core.frontend.onnx import ImportContext, UnsupportedError, tensor_to_array
+from compiler_core.frontend.common import ImportContext, UnsupportedError, tensor_to_array
 
 Converter = Callable[[ImportContext, onnx.NodeProto, "Attrs"], None]
 

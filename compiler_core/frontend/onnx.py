@@ -10,78 +10,59 @@ attributes.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 
-from compiler_core.errors import UserError
-from compiler_core.graph.ir import DTYPES, Graph, NameGenerator, Node, TensorType
-from compiler_core.graph.ops import OP_TABLE
-from compiler_core.graph.ops.base import ShapeError
+from compiler_core.frontend.common import (  # noqa: F401 - re-exported: the frontend's API
+    NUMPY_TO_ONNX,
+    ONNX_TO_NUMPY,
+    ImportContext,
+    KilnImportError,
+    ModelFormatError,
+    NotConstantError,
+    ShapeBindingError,
+    UnsupportedError,
+    infer_node,
+    onnx_dtype_name,
+    tensor_to_array,
+)
+from compiler_core.frontend.onnx_ops import convert_node
+from compiler_core.graph.ir import Graph, TensorType
 
 # 11 is the floor the product promises; older models import where their operators' semantics
 # are converted (the ONNX model zoo's opset-9 graphs are).
 MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
 DEFAULT_DOMAINS = ("", "ai.onnx")
-# Values up to this many elements are evaluated during import when their inputs are known;
-# that is what resolves shape arithmetic. Larger ones are left to constant folding.
-PROPAGATE_LIMIT = 1 << 16
 # A single tensor larger than this is refused: protects against absurd declared sizes.
 MAX_TENSOR_BYTES = 8 << 30
 
-ONNX_TO_NUMPY = {
-    TensorProto.FLOAT: "float32",
-    TensorProto.DOUBLE: "float64",
-    TensorProto.FLOAT16: "float16",
-    TensorProto.BFLOAT16: "bfloat16",
-    TensorProto.INT8: "int8",
-    TensorProto.INT16: "int16",
-    TensorProto.INT32: "int32",
-    TensorProto.INT64: "int64",
-    TensorProto.UINT8: "uint8",
-    TensorProto.UINT16: "uint16",
-    TensorProto.UINT32: "uint32",
-    TensorProto.UINT64: "uint64",
-    TensorProto.BOOL: "bool",
-}
-NUMPY_TO_ONNX = {v: k for k, v in ONNX_TO_NUMPY.items()}
+
+class DefaultedShapeWarning(UserWarning):
+    """An input's symbolic batch dimension, left unbound, was compiled as 1."""
 
 
-class KilnImportError(UserError):
-    """Base of every error the frontend raises; the message says what to fix."""
+DEFAULT_BATCH = 1
 
 
-class ModelFormatError(KilnImportError):
-    """The bytes are not a valid ONNX model (truncated, corrupt, inconsistent tensors)."""
-
-
-class UnsupportedError(KilnImportError):
-    """An operator, attribute, opset or type Kiln does not handle."""
-
-
-class ShapeBindingError(KilnImportError):
-    """An input has a symbolic dimension that no `shapes=` entry binds."""
-
-
-class NotConstantError(KilnImportError):
-    """A shape-deciding operand is not known at compile time."""
-
-    def __init__(self, message: str, value: str):
-        super().__init__(message)
-        self.value = value
-
-
-def onnx_dtype_name(elem_type: int) -> str:
-    try:
-        return ONNX_TO_NUMPY[elem_type]
-    except KeyError:
-        name = TensorProto.DataType.Name(elem_type) if elem_type else "UNDEFINED"
-        raise UnsupportedError(f"element type {name} is not supported") from None
+def defaulted_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None):
+    """The inputs whose unbound symbolic batch axis importing sets to DEFAULT_BATCH, with the
+    shapes they get (what a manifest records of a build without `shapes=`)."""
+    result = {}
+    for value in model.graph.input:
+        if value.name in (shapes or {}) or not value.type.HasField("tensor_type"):
+            continue
+        dims = value.type.tensor_type.shape.dim
+        symbolic_batch = len(dims) > 1 and not dims[0].HasField("dim_value")
+        if symbolic_batch and all(d.HasField("dim_value") for d in dims[1:]):
+            result[value.name] = [DEFAULT_BATCH, *(d.dim_value for d in dims[1:])]
+    return result
 
 
 # --- loading and validation ------------------------------------------------------------------
@@ -253,109 +234,7 @@ def _load_external_data(model: onnx.ModelProto, base_dir: Path | None) -> None:
         tensor.data_location = TensorProto.DEFAULT
 
 
-def tensor_to_array(tensor: TensorProto) -> np.ndarray:
-    onnx_dtype_name(tensor.data_type)  # refuses unsupported element types by name
-    return np.asarray(numpy_helper.to_array(tensor))
-
-
 # --- conversion --------------------------------------------------------------------------------
-
-
-class ImportContext:
-    """What a converter sees: types and known values so far, and where to emit nodes."""
-
-    def __init__(self, opset: int, taken_names: set[str]):
-        self.opset = opset
-        self.types: dict[str, TensorType] = {}
-        self.known: dict[str, np.ndarray] = {}
-        self.constants: dict[str, np.ndarray] = {}
-        self.nodes: list[Node] = []
-        self.fresh = NameGenerator(taken_names)
-        self.current: onnx.NodeProto | None = None
-
-    # queries
-
-    def type(self, value: str) -> TensorType:
-        try:
-            return self.types[value]
-        except KeyError:
-            raise KilnImportError(f"value {value!r} is used before it is defined") from None
-
-    def has_value(self, value: str) -> bool:
-        return value in self.known
-
-    def value(self, value: str, purpose: str) -> np.ndarray:
-        """The compile-time value of an operand that decides shapes."""
-        if value in self.known:
-            return self.known[value]
-        node = self.current
-        where = f"node {node.name!r} ({node.op_type})" if node is not None else "the graph"
-        raise NotConstantError(
-            f"{where}: {purpose} operand {value!r} must be known at compile time "
-            "(a constant, or computable from static shapes); bind it as a constant",
-            value,
-        )
-
-    # emission
-
-    def add_constant(self, array: np.ndarray, prefix: str = "const", name: str | None = None):
-        array = np.asarray(array)
-        if array.dtype.name not in DTYPES:
-            raise UnsupportedError(f"constant of element type {array.dtype} is not supported")
-        name = name or self.fresh(prefix)
-        self.fresh.reserve(name)
-        self.constants[name] = array
-        self.known[name] = array
-        self.types[name] = TensorType.of(array)
-        return name
-
-    def emit(self, op: str, inputs: Sequence[str], outputs: Sequence[str] | int = 1, **attrs):
-        """Append one Kiln node; infer its output types; propagate its value when cheap."""
-        source = self.current
-        if isinstance(outputs, int):
-            outputs = [self.fresh(f"{op.lower()}") for _ in range(outputs)]
-        base = (source.name or source.op_type) if source is not None else op
-        node = Node(op, self.fresh.unique(base), tuple(inputs), tuple(outputs), attrs)
-        in_types = [self.types[i] if i else None for i in node.inputs]
-        out_types = infer_node(node, in_types)
-        for name, typ in zip(node.outputs, out_types, strict=True):
-            if name:
-                self.types[name] = typ
-        self.nodes.append(node)
-        self._propagate(node, out_types)
-        return list(node.outputs) if len(node.outputs) != 1 else node.outputs[0]
-
-    def _propagate(self, node: Node, out_types: Sequence[TensorType]) -> None:
-        opdef = OP_TABLE[node.op]
-        if opdef.from_types is not None:
-            values = opdef.from_types(node, [self.types[i] for i in node.inputs if i])
-        elif all(not i or i in self.known for i in node.inputs) and all(
-            t.size <= PROPAGATE_LIMIT for t in out_types
-        ):
-            inputs = [self.known[i] if i else None for i in node.inputs]
-            with np.errstate(all="ignore"):
-                values = opdef.compute(node, inputs)
-        else:
-            return
-        for name, value in zip(node.outputs, values, strict=True):
-            if name:
-                self.known[name] = np.asarray(value)
-
-
-def infer_node(node: Node, in_types: Sequence[TensorType | None]) -> list[TensorType]:
-    opdef = OP_TABLE.get(node.op)
-    if opdef is None:
-        raise UnsupportedError(f"node {node.name!r}: Kiln has no operator {node.op!r}")
-    try:
-        out_types = list(opdef.infer(node, in_types))
-    except (ShapeError, ValueError, IndexError, TypeError) as err:
-        shown = ", ".join(str(t) for t in in_types)
-        raise ShapeError(
-            f"node {node.name!r} ({node.op}) with inputs ({shown}) has no valid output type: {err}"
-        ) from None
-    if len(out_types) < len(node.outputs):
-        raise ShapeError(f"node {node.name!r} ({node.op}) produces fewer outputs than named")
-    return out_types[: len(node.outputs)]
 
 
 def _input_type(value: onnx.ValueInfoProto, shapes: Mapping[str, Sequence[int]]) -> TensorType:
@@ -390,6 +269,17 @@ def _input_type(value: onnx.ValueInfoProto, shapes: Mapping[str, Sequence[int]])
     for i, dim in enumerate(dims):
         if dim.HasField("dim_value"):
             shape.append(dim.dim_value)
+        elif i == 0 and len(dims) > 1:
+            # An unbound batch axis compiles for batch 1, as trtexec does, and says so; any
+            # other symbolic dimension has no such default.
+            shape.append(DEFAULT_BATCH)
+            warnings.warn(
+                f"input {value.name!r} has a symbolic batch dimension "
+                f"{dim.dim_param or '?'!r}: compiled for batch {DEFAULT_BATCH} (bind it with "
+                f"shapes={{{value.name!r}: [...]}} or use batch buckets)",
+                DefaultedShapeWarning,
+                stacklevel=4,
+            )
         else:
             label = dim.dim_param or "?"
             raise ShapeBindingError(
@@ -427,8 +317,6 @@ def import_model(
     `shapes` binds input shapes (required for symbolic dims); `constants` binds graph inputs
     to fixed values (they become constants, as a shape-deciding operand must be).
     """
-    from compiler_core.frontend.onnx_ops import convert_node
-
     model = load_model(source)
     shapes = dict(shapes or {})
     constants = dict(constants or {})

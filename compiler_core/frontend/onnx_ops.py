@@ -24,6 +24,7 @@ from compiler_core.frontend import (
     convert_signal,
     convert_transformer,
 )
+from compiler_core.frontend.common import ImportContext, UnsupportedError, onnx_dtype_name
 from compiler_core.frontend.convert_utils import (
     Attrs,
     Converter,
@@ -38,7 +39,6 @@ from compiler_core.frontend.convert_utils import (
     resolve_reshape,
     single_output,
 )
-from compiler_core.frontend.onnx import ImportContext, UnsupportedError, onnx_dtype_name
 
 # --- converters --------------------------------------------------------------------------------
 
@@ -454,7 +454,6 @@ _BINARY = [
     "Min",
     "Sum",
     "Mean",
-    "MatMul",
 ]
 
 _CORE: dict[str, dict[int, Converter]] = {

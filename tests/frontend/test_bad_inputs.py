@@ -10,10 +10,12 @@ import pytest
 from onnx import TensorProto, helper
 
 from compiler_core.frontend.onnx import (
+    DefaultedShapeWarning,
     ModelFormatError,
     NotConstantError,
     ShapeBindingError,
     UnsupportedError,
+    defaulted_shapes,
     import_model,
 )
 from tests.conftest import FLOAT, make_model, shared_model
@@ -172,9 +174,23 @@ def test_raw_data_shorter_than_shape_is_refused():
         import_model(model.SerializeToString())
 
 
+def test_unbound_batch_compiles_as_one_and_says_so():
+    with pytest.warns(DefaultedShapeWarning, match=r"'x'.*'batch'.*batch 1"):
+        graph = import_model(shared_model("mlp"))
+    assert graph.types["x"].shape == (1, 784)
+    model = onnx.load(str(shared_model("mlp")))
+    assert defaulted_shapes(model, None) == {"x": [1, 784]}
+    assert defaulted_shapes(model, {"x": [4, 784]}) == {}
+
+
 def test_missing_shape_binding_names_input_and_dim():
-    with pytest.raises(ShapeBindingError, match=r"'x'.*'batch'"):
-        import_model(shared_model("mlp"))
+    """A symbolic dimension other than the batch has no default."""
+    model = onnx.load(str(shared_model("mlp")))
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[0].dim_value = 2
+    dims[1].dim_param = "features"
+    with pytest.raises(ShapeBindingError, match=r"'x'.*'features'.*axis 1"):
+        import_model(model)
 
 
 def test_shape_binding_of_wrong_rank_is_refused():

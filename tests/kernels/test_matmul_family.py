@@ -208,3 +208,26 @@ def test_integer_matmul_with_ragged_tiles():
 )
 def test_products_with_a_vector_operand(a_shape, b_shape, b_constant):
     check(*matmul_model(a_shape, b_shape, b_constant=b_constant))
+
+
+@pytest.mark.parametrize("a_shape", [(37, 1, 24), (3, 5, 2, 24)])
+def test_batched_a_times_a_constant_b_is_one_gemm_over_all_rows(a_shape):
+    """PyTorch attention's QKV projection, [197, 1, 768] @ [768, 2304], in small: the import
+    flattens A's rows into one GEMM (not 37 one-row products) and reshapes the result back."""
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    out = [*a_shape[:-1], 40]
+    model = make_model([node], [("a", FLOAT, list(a_shape))], [("y", FLOAT, out)], {"b": w(24, 40)})
+    graph = import_model(model)
+    (matmul,) = [n for n in graph.nodes if n.op == "MatMul"]
+    assert graph.types[matmul.outputs[0]].shape == (int(np.prod(a_shape[:-1])), 40)
+    check(model, {"a": w(*a_shape)})
+
+
+def test_a_batched_b_stays_a_batched_matmul():
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    model = make_model(
+        [node], [("a", FLOAT, [4, 3, 8])], [("y", FLOAT, [4, 3, 5])], {"b": w(4, 8, 5)}
+    )
+    (matmul,) = [n for n in import_model(model).nodes if n.op == "MatMul"]
+    assert len(matmul.inputs) == 2 and matmul.outputs == ("y",)
+    check(model, {"a": w(4, 3, 8)})
