@@ -205,8 +205,27 @@ CASES: dict[str, Case] = {
             description="plain NCHW",
         ),
         conv("conv2d_stem", "conv2d", 3, 32, [224, 224], 3, 2, 1, description="3-channel stem"),
+        conv("conv2d_stem7", "conv2d", 3, 64, [224, 224], 7, 2, 3, description="ResNet 7x7 stem"),
+        conv("conv2d_512_7x7", "conv2d", 512, 512, [7, 7], 3, 1, 1, description="ResNet layer4"),
         # Found on the way: other shapes of the same families.
         conv("conv2d_c58", "conv2d", 58, 58, [28, 28], 1, description="ShuffleNet 1x1, 58 ch"),
+        conv("conv2d_c116", "conv2d", 116, 116, [14, 14], 1, description="ShuffleNet 1x1, 116 ch"),
+        conv(
+            "dwconv_5x5",
+            "depthwise",
+            120,
+            120,
+            [28, 28],
+            5,
+            1,
+            2,
+            group=120,
+            description="MobileNetV3",
+        ),
+        conv(
+            "dwconv_7x7", "depthwise", 96, 96, [56, 56], 7, 1, 3, group=96, description="ConvNeXt-T"
+        ),
+        conv("conv2d_c40_3x3", "conv2d", 40, 40, [28, 28], 3, 1, 1, description="40 ch, 3x3"),
         group_norm("groupnorm", [1, 512, 49], 32, description="wav2vec2 first layer"),
         matmul("matmul_m197", [197, 768], [768, 768], True, description="ViT projection"),
         conv(

@@ -54,13 +54,41 @@ def _flatten(index: Sequence[Expr], shape: Sequence[int]) -> Expr:
     return flat
 
 
+def reshape_index(index: Sequence[Expr], out_shape, in_shape) -> tuple[Expr, ...]:
+    """The input index of a reshape's output `index`. Leading and trailing dimensions the two
+    shapes share map straight through; only the part between them goes through a flat index.
+    A channel shuffle's [1, 116, 28, 28] -> [1, 2, 58, 28, 28] then reads its rows at (n, c1 *
+    58 + c2, h, w), not through a division and a modulo by 784 per element, and the row stays
+    a unit-stride loop the vectorizer takes."""
+    out_shape, in_shape = tuple(out_shape), tuple(in_shape)
+    lead = 0
+    while lead < min(len(out_shape), len(in_shape)) and out_shape[lead] == in_shape[lead]:
+        lead += 1
+    tail = 0
+    while (
+        tail < min(len(out_shape), len(in_shape)) - lead
+        and out_shape[len(out_shape) - 1 - tail] == in_shape[len(in_shape) - 1 - tail]
+    ):
+        tail += 1
+    out_mid = out_shape[lead : len(out_shape) - tail]
+    in_mid = in_shape[lead : len(in_shape) - tail]
+    middle = tuple(index[lead : len(index) - tail])
+    if len(in_mid) == 1:  # the flat index is in bounds: no modulo
+        mapped: tuple[Expr, ...] = (_flatten(middle, out_mid),)
+    elif len(out_mid) == 1:
+        mapped = _unflatten(middle[0], in_mid)
+    else:
+        mapped = _unflatten(_flatten(middle, out_mid), in_mid)
+    return (*index[:lead], *mapped, *index[len(index) - tail :])
+
+
 def _reshape(ctx: KernelContext, node: Node):
     out = ctx.type(node.outputs[0])
     x = ctx.tensor(node.inputs[0])
     return [
         compute(
             out.shape,
-            lambda *i: x[_unflatten(_flatten(i, out.shape), x.shape)],
+            lambda *i: x[reshape_index(i, out.shape, x.shape)],
             ctx.stage_name(node),
         )
     ]

@@ -72,11 +72,14 @@ def _conv(ctx: KernelContext, node: Node):
     has_bias = len(node.inputs) > 2 and node.inputs[2]
 
     depthwise = cg == 1 and mg == 1
-    block = next((b for b in (ctx.target.vector_lanes, 8, 4) if mg % b == 0), 0)
+    block, rows = _plain_conv_block(mg, group, ctx.target.vector_lanes)
     packed = ctx.is_constant(node.inputs[1]) and block > 0 and not depthwise
     if packed:
         weights = ctx.constant(node.inputs[1])
-        blocks = weights.reshape(m // block, block, cg, *w_type.shape[2:])
+        if rows != m:  # zero filters up to whole blocks: their outputs are cropped
+            filler = np.zeros((rows - m, *weights.shape[1:]), weights.dtype)
+            weights = np.concatenate([weights, filler])
+        blocks = weights.reshape(rows // block, block, cg, *w_type.shape[2:])
         layout = np.moveaxis(blocks, 1, -1)  # [M/b, C/g, *K, b]
         wp = ctx.packed(node.inputs[1], f"oihw{block}o", layout)
 
@@ -102,19 +105,38 @@ def _conv(ctx: KernelContext, node: Node):
             Cast(accumulate, product) if accumulate != out.dtype else product, [c, *ks]
         )
 
-    conv = compute(out.shape, body, ctx.stage_name(node), accumulate)
+    shape = (out.shape[0], rows if packed else m, *out.shape[2:])
+    conv = compute(shape, body, ctx.stage_name(node), accumulate)
     ctx.note(
         conv.name,
         layout="packed" if packed else "depthwise" if depthwise else "generic",
         block=block,
     )
+    if shape != tuple(out.shape):
+        ctx.note(conv.name, real_shape=tuple(out.shape))
     if accumulate != out.dtype:
         wide = conv
         conv = compute(out.shape, lambda *i: Cast(out.dtype, wide[i]), ctx.stage_name(node))
     if not has_bias:
-        return [conv]
+        if shape == tuple(out.shape):
+            return [conv]
+        return [compute(out.shape, lambda *i: conv[i], ctx.stage_name(node, "crop"))]
     bias = ctx.tensor(node.inputs[2])
     return [compute(out.shape, lambda n, o, *s: conv[(n, o, *s)] + bias[o], ctx.stage_name(node))]
+
+
+def _plain_conv_block(per_group: int, group: int, lanes: int) -> tuple[int, int]:
+    """(channel block, output channels padded to whole blocks) of a plain-layout conv. An
+    ungrouped conv with a vector's worth of channels takes a full vector (`lanes`) or 8 lanes,
+    whichever pads least (ties: the larger), its filters padded with zeros to whole blocks:
+    58 channels compute 64, 116 compute 120, cropped by the epilogue (a block of 4 that
+    divides 116 ran 1.45x ORT, half a ymm per FMA). Grouped convs take a block that divides
+    a group's channels, or none (0)."""
+    if group == 1 and per_group >= 8:
+        block = min((lanes, 8), key=lambda b: (-(-per_group // b) * b, -b))
+        return block, -(-per_group // block) * block
+    block = next((b for b in (lanes, 8, 4) if per_group % b == 0), 0)
+    return block, per_group * group
 
 
 def _conv_nchwc(ctx: KernelContext, node: Node):
@@ -287,8 +309,14 @@ def _tiled_shape(ctx: KernelContext, out_shape, width: int) -> tuple[int, ...]:
     """The GEMM stage's shape: whole register tiles, rows padded to a multiple of the default
     row tile and columns to the panel width (a partial last tile costs no scalar loop)."""
     *batch_shape, rows, cols = out_shape
-    mr = gemm_row_tile(rows, ctx.target)
+    mr = gemm_row_tile(rows, ctx.target, _panel_vectors(width, ctx))
     return (*batch_shape, -(-rows // mr) * mr, -(-cols // width) * width)
+
+
+def _panel_vectors(width: int, ctx: KernelContext) -> int:
+    """Vector registers across a panel: a 3-vector panel (48 columns with AVX-512) leaves room
+    for fewer rows of accumulators than the usual two."""
+    return max(width // ctx.target.vector_lanes, 1)
 
 
 def _row(i, rows: int, padded_rows: int):
@@ -301,7 +329,7 @@ def _dense_stage(ctx, node, shape, body, out_shape, width: int, pack: Pack | Non
     """The GEMM stage, with the facts its template needs: the panel width, the row tile its
     rows are padded for, the real output shape (what the epilogue crops) and the packing."""
     product = compute(shape, body, ctx.stage_name(node), ctx.type(node.outputs[0]).dtype)
-    mr = gemm_row_tile(out_shape[-2], ctx.target)
+    mr = gemm_row_tile(out_shape[-2], ctx.target, _panel_vectors(width, ctx))
     ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))
     if pack is not None:
         ctx.note(product.name, pack=pack.stage, pack_default=pack.default)

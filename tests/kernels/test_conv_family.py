@@ -149,3 +149,58 @@ def test_blocked_conv_matches_onnxruntime(name):
     module = load(compiler_core.compile(model))
     actual = module.run(feeds)["y"]
     assert_close_to_scale(actual, ort_output(model, feeds), label=name)
+
+
+# --- channel counts no block divides: the plain conv pads its filters to whole blocks ----------
+
+
+def plain_chain():
+    """58-channel 1x1 conv (bias) -> Relu -> 3x3 conv to 29 channels without bias (a crop
+    stage of its own) -> Sigmoid: channel counts no vector divides, strides and padding."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="c1"),
+            helper.make_node("Relu", ["a"], ["r"], name="relu"),
+            helper.make_node("Conv", ["r", "w2"], ["b"], name="c2", pads=[1] * 4, strides=[2] * 2),
+            helper.make_node("Sigmoid", ["b"], ["y"], name="sig"),
+        ],
+        [("x", FLOAT, [1, 24, 13, 11])],
+        [("y", FLOAT, [1, 29, 7, 6])],
+        {"w1": rand(58, 24, 1, 1, scale=0.3), "b1": rand(58), "w2": rand(29, 58, 3, 3, scale=0.1)},
+    )
+
+
+PLAIN_CASES = {
+    "conv2d_58_channels_1x1": lambda: conv_case(58, 58, [14, 14], 1),
+    "conv2d_116_channels_strided": lambda: conv_case(24, 116, [9, 10], 3, stride=2, pad=1),
+    "conv2d_13_channels_no_bias": lambda: conv_case(7, 13, [6, 9], 3, bias=False),
+    "conv1d_58_channels": lambda: conv_case(16, 58, [33], 3, pad=1),
+    "plain_chain": plain_chain,
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_CASES))
+def test_odd_channel_counts_get_vector_blocks_and_match_onnxruntime(name):
+    model = PLAIN_CASES[name]()
+    compiled = compiler_core.compile(model)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = {"x": rand(*shape)}
+    actual = load(compiled).run(feeds)["y"]
+    assert_close_to_scale(actual, ort_output(model, feeds), label=name)
+
+
+@pytest.mark.parametrize(
+    ("channels", "group", "lanes", "expected"),
+    [
+        (64, 1, 16, (16, 64)),  # a block divides: no padding
+        (58, 1, 16, (16, 64)),  # 64 either way: the larger block
+        (116, 1, 16, (8, 120)),  # 8 pads least
+        (58, 1, 8, (8, 64)),
+        (6, 2, 16, (0, 12)),  # grouped: not padded
+        (3, 1, 16, (0, 3)),  # too few channels for a vector
+    ],
+)
+def test_plain_conv_blocks(channels, group, lanes, expected):
+    from compiler_core.kernels.nn import _plain_conv_block
+
+    assert _plain_conv_block(channels, group, lanes) == expected
