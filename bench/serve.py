@@ -151,7 +151,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(data_dir: Path, name: str, digest: str, instances: int, threads: int):
+def start_server(
+    data_dir: Path, name: str, digest: str, instances: int, threads: int, batch_delay_ms: float
+):
     """(process, base URL, log path) of a runtime server serving one model."""
     port = free_port()
     env = {
@@ -159,6 +161,7 @@ def start_server(data_dir: Path, name: str, digest: str, instances: int, threads
         "KILN_DATA_DIR": str(data_dir),
         "KILN_RUNTIME_INSTANCES": str(instances),
         "KILN_NUM_THREADS": str(threads),
+        "KILN_RUNTIME_BATCH_DELAY_MS": str(batch_delay_ms),
     }
     log = data_dir / "server.log"
     # A log file, not a pipe: uvicorn writes an access-log line per request, and a pipe that
@@ -367,7 +370,12 @@ def under_load(clients, url, cases, total: int, pid: int) -> dict:
 
 def bench_model(name: str, args, work: Path) -> dict:
     started = time.perf_counter()
-    archive = compiler_core.compile(str(MODELS_DIR / f"{name}.onnx"), "llvm", MODEL_SHAPES[name])
+    archive = compiler_core.compile(
+        str(MODELS_DIR / f"{name}.onnx"),
+        "llvm",
+        MODEL_SHAPES[name],
+        batch_buckets=args.batch_buckets,
+    )
     compile_seconds = time.perf_counter() - started
     data = archive.to_bytes()
     data_dir = work / name
@@ -377,10 +385,13 @@ def bench_model(name: str, args, work: Path) -> dict:
     rng = np.random.default_rng(0)
     cases = []
     for _ in range(DISTINCT_INPUTS):
-        feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
+        # One row per request: a bucketed archive's signature is its largest bucket's.
+        feeds = {n: rng.standard_normal((1, *s[1:])).astype(d) for n, s, d in module.inputs}
         cases.append((feeds, module.run(feeds), *encode_infer_request(feeds)))
 
-    process, base, log = start_server(data_dir, name, digest, args.instances, args.threads)
+    process, base, log = start_server(
+        data_dir, name, digest, args.instances, args.threads, args.batch_delay_ms
+    )
     clients = [httpx.Client(timeout=REQUEST_TIMEOUT) for _ in range(args.concurrency)]
     try:
         wait_ready(process, base, log)
@@ -470,12 +481,25 @@ def main() -> None:
         metavar="SECONDS",
         help="before each model, wait up to this long for other processes to go quiet",
     )
+    parser.add_argument(
+        "--batch-buckets",
+        type=lambda text: [int(b) for b in text.split(",")],
+        default=None,
+        help="compile with these batch buckets (e.g. 1,2,4,8): the server batches requests",
+    )
+    parser.add_argument(
+        "--batch-delay-ms",
+        type=float,
+        default=0.0,
+        help="KILN_RUNTIME_BATCH_DELAY_MS (negative: batching off)",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/serve_results.json"))
     args = parser.parse_args()
 
     print(
         f"CPU: {cpu_name()} ({os.cpu_count()} cores); server: {args.instances} instances x "
-        f"{args.threads} threads; {args.requests} requests at concurrency {args.concurrency}"
+        f"{args.threads} threads; {args.requests} requests at concurrency {args.concurrency}; "
+        f"batch buckets {args.batch_buckets or 'none'}, batch delay {args.batch_delay_ms} ms"
     )
     results = {
         "date": datetime.date.today().isoformat(),
@@ -485,6 +509,8 @@ def main() -> None:
         "threads": args.threads,
         "requests": args.requests,
         "concurrency": args.concurrency,
+        "batch_buckets": args.batch_buckets,
+        "batch_delay_ms": args.batch_delay_ms,
         "models": [],
     }
     with tempfile.TemporaryDirectory(prefix="kiln-serve-bench-") as work:

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = RuntimeSettings()
-    repository = ModelRepository(settings.store(), settings.runtime_instances, settings.num_threads)
+    repository = ModelRepository(
+        settings.store(), settings.runtime_instances, settings.num_threads, settings.batch_delay
+    )
     for name, artifact, version in args.load:
         try:
             repository.load(name, artifact, version)

@@ -267,7 +267,10 @@ def create_app(
     settings = settings or RuntimeSettings()
     if repository is None:
         repository = ModelRepository(
-            settings.store(), settings.runtime_instances, settings.num_threads
+            settings.store(),
+            settings.runtime_instances,
+            settings.num_threads,
+            settings.batch_delay,
         )
     store = repository.store if settings.runtime_sync_seconds > 0 else None
 
@@ -284,7 +287,7 @@ def create_app(
     app = FastAPI(title="Kiln runtime server", version=server_version(), lifespan=lifespan)
     app.state.settings = settings
     app.state.repository = repository
-    app.state.metrics = Metrics(repository.ready_count)
+    app.state.metrics = Metrics(repository.ready_count, repository.batch_stats)
     app.include_router(router)
     app.add_exception_handler(RepositoryError, handle_known_error)
     app.add_exception_handler(ProtocolError, handle_known_error)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 # From 0.1 ms: Prometheus' default buckets start at 5 ms, which puts every request of a small
 # model (an MLP runs in ~0.3 ms) in the first bucket and makes its p50/p99 meaningless.
@@ -26,9 +27,36 @@ def outcome_of(status: int) -> str:
     return "client_error" if status < 500 else "server_error"
 
 
+class _BatchCollector:
+    """Dynamic batching's counters, read from the repository at scrape time."""
+
+    def __init__(self, batch_stats: Callable[[], list]):
+        self._batch_stats = batch_stats
+
+    def collect(self):
+        batches = CounterMetricFamily(
+            "kiln_runtime_batches",
+            "Runs of dynamically batched model versions (one per batch)",
+            labels=["model", "version"],
+        )
+        requests = CounterMetricFamily(
+            "kiln_runtime_batched_requests",
+            "Inference requests those runs served (requests / batches: the mean batch)",
+            labels=["model", "version"],
+        )
+        for model, version, stats in self._batch_stats():
+            batches.add_metric([model, version], stats.batches)
+            requests.add_metric([model, version], stats.requests)
+        yield batches
+        yield requests
+
+
 class Metrics:
-    def __init__(self, ready_count: Callable[[], int]):
+    def __init__(
+        self, ready_count: Callable[[], int], batch_stats: Callable[[], list] = lambda: []
+    ):
         self.registry = CollectorRegistry()
+        self.registry.register(_BatchCollector(batch_stats))
         self.requests = Counter(
             "kiln_runtime_requests",
             "HTTP requests by route template, method and outcome",

@@ -265,7 +265,9 @@ def _decode_outputs(outputs: Any) -> list[RequestedOutput] | None:
 
 
 def check_inputs(inputs: Mapping[str, np.ndarray], signature, model: str) -> None:
-    """Names, datatypes and shapes against the model's inputs, each error naming the input."""
+    """Names, datatypes and shapes against the model's inputs, each error naming the input.
+    A -1 in the signature (a bucketed archive's batch axis) takes any size; the repository
+    checks that it fits the buckets."""
     expected = {name: (shape, dtype) for name, shape, dtype in signature}
     for name, array in inputs.items():
         if name not in expected:
@@ -278,7 +280,9 @@ def check_inputs(inputs: Mapping[str, np.ndarray], signature, model: str) -> Non
                 f"input '{name}' has datatype {datatype_of(array.dtype)}, "
                 f"model '{model}' expects {datatype_of(dtype)}"
             )
-        if array.shape != tuple(shape):
+        if len(array.shape) != len(shape) or any(
+            want not in (-1, got) for got, want in zip(array.shape, shape, strict=True)
+        ):
             raise ProtocolError(
                 f"input '{name}' has shape {list(array.shape)}, "
                 f"model '{model}' expects {list(shape)}"

@@ -23,6 +23,10 @@ class RuntimeSettings(BaseSettings):
     # Module instances per loaded model version: a Module has one workspace, so this is the
     # number of requests one version can run at the same time.
     runtime_instances: int = Field(default=2, ge=1)
+    # Dynamic batching of archives compiled with batch buckets: requests queued together run
+    # as one batch, a batch waiting up to this long for more (0: only what is already queued,
+    # no added latency); negative turns batching off.
+    runtime_batch_delay_ms: float = 0.0
     # OpenMP threads per instance (None: the runtime's default, every core).
     num_threads: int | None = Field(default=None, ge=1)
     # How often to converge on the deployments listed in the store (0: never). Every replica
@@ -31,6 +35,13 @@ class RuntimeSettings(BaseSettings):
     runtime_access_log: bool = False
     runtime_host: str = "127.0.0.1"
     runtime_port: int = Field(default=8001, ge=0, le=65535)
+
+    @property
+    def batch_delay(self) -> float | None:
+        """Seconds a batch may wait, or None when dynamic batching is off."""
+        if self.runtime_batch_delay_ms < 0:
+            return None
+        return self.runtime_batch_delay_ms / 1000.0
 
     def resolved_store_url(self) -> str:
         return self.store_url or str(self.data_dir / "store")

@@ -115,6 +115,7 @@ class FakeModule:
     inputs = [("x", (1,), np.dtype(np.float32))]
     outputs = [("y", (1,), np.dtype(np.float32))]
     manifest: dict = {}
+    batch_buckets = None
     lock = threading.Lock()
     busy = 0  # instances running right now, across the pool
     most_busy = 0
