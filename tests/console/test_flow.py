@@ -38,14 +38,14 @@ def test_upload_compile_tune_deploy_and_infer(console: Console, mlp_path, tmp_pa
     seen_points, seen_stages = set(), set()
 
     def finished():
-        seen_stages.add(console.find("#job-stages li.current").text if in_stage() else "")
+        # One lookup, not "is it there? then find it": the page re-renders the stage list
+        # while it polls, so the element can go between two lookups.
+        current = console.find_all("#job-stages li.current")
+        seen_stages.add(current[0].text if current else "")
         seen_points.add(points("#curves canvas"))
         return console.find_all(
             '#job-status [data-status="done"], #job-status [data-status="failed"]'
         )
-
-    def in_stage():
-        return bool(console.find_all("#job-stages li.current"))
 
     def points(css: str) -> int:
         return sum(int(c.get_attribute("data-points") or 0) for c in console.find_all(css))
