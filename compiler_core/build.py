@@ -24,6 +24,8 @@ from compiler_core.kernels.schedules import StageInfo, default_schedule
 from compiler_core.loop.ir import PrimFunc
 from compiler_core.schedule.primitives import Record, apply
 from compiler_core.target import Target
+from compiler_core.te.lower import stages_of
+from compiler_core.te.tensor import RecurrenceOp, tensor_reads
 
 ALIGNMENT = 64
 ENTRY = "kiln_main"
@@ -55,26 +57,39 @@ def _symbol(index: int, anchor: str | None, first: str) -> str:
 
 
 def _stage_infos(ctx: KernelContext, outputs: Sequence[te.Tensor]) -> list[StageInfo]:
-    from compiler_core.te.lower import _reads, stages_of
-
+    """What the schedule sees: every stage with its own loop nest. A recurrence's loop is
+    not a stage; the stages of its step are (its updates named like their states)."""
     output_ids = {id(t) for t in outputs}
-    infos = []
+    infos, expanded = [], set()
     for t in stages_of(outputs):
-        reduction = t.op.reduction
-        axes = tuple((f"{t.name}_{a.name}", a.extent) for a in reduction.axes) if reduction else ()
-        reads = tuple(r.name for r in _reads(t.op.body) if not r.is_placeholder)
-        infos.append(
-            StageInfo(
-                name=t.name,
-                shape=t.shape,
-                reduce_axes=axes,
-                output=id(t) in output_ids,
-                op=ctx.stage_ops.get(t.name, ""),
-                reads=reads,
-                notes=tuple(sorted(ctx.notes.get(t.name, {}).items())),
-            )
-        )
+        if not isinstance(t.op, RecurrenceOp):
+            infos.append(_stage_info(ctx, t, id(t) in output_ids))
+        elif id(t.op) not in expanded:
+            expanded.add(id(t.op))
+            updates = {id(u) for u in t.op.updates}
+            for stage in t.op.stages:
+                info = _stage_info(ctx, stage, False)
+                if id(stage) in updates:  # it writes row t of its state: never inlined
+                    info = dataclasses.replace(
+                        info, notes=tuple(sorted({**dict(info.notes), "state": True}.items()))
+                    )
+                infos.append(info)
     return infos
+
+
+def _stage_info(ctx: KernelContext, t: te.Tensor, output: bool) -> StageInfo:
+    reduction = t.op.reduction
+    axes = tuple((f"{t.name}_{a.name}", a.extent) for a in reduction.axes) if reduction else ()
+    reads = tuple(r.name for r in tensor_reads(t.op.body) if not r.is_placeholder)
+    return StageInfo(
+        name=t.name,
+        shape=t.shape,
+        reduce_axes=axes,
+        output=output,
+        op=ctx.stage_ops.get(t.name, ""),
+        reads=reads,
+        notes=tuple(sorted(ctx.notes.get(t.name, {}).items())),
+    )
 
 
 def group_outputs(graph: Graph, nodes) -> list[str]:

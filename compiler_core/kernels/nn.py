@@ -244,13 +244,19 @@ def _panel_weights(ctx: KernelContext, value: str, transpose: bool, scale: float
     matrix = matrix.T if transpose else matrix
     if scale != 1.0:
         matrix = matrix * np.asarray(scale, matrix.dtype)
+    return packed_panels(ctx, value, f"panel{{}}{'t' if transpose else ''}", matrix)
+
+
+def packed_panels(ctx: KernelContext, source: str, label: str, matrix: np.ndarray):
+    """A build-time [K, N] matrix (a transform of constant `source`) as [N/P, K, P] panels
+    and the panel width P; `label` names the packing, with `{}` standing for P."""
     k, n = matrix.shape
     width = panel_width(n, ctx.target.vector_lanes)
     padded_n = -(-n // width) * width
     if padded_n != n:
         matrix = np.concatenate([matrix, np.zeros((k, padded_n - n), matrix.dtype)], axis=1)
     panels = matrix.reshape(k, padded_n // width, width).transpose(1, 0, 2)
-    return ctx.packed(value, f"panel{width}{'t' if transpose else ''}", panels), width
+    return ctx.packed(source, label.format(width), panels), width
 
 
 def _panel_read(panels: Tensor, width: int, kk, j, batch=()):
@@ -325,15 +331,33 @@ def _row(i, rows: int, padded_rows: int):
     return Binary("min", i, Const(rows - 1, INDEX)) if padded_rows != rows else i
 
 
-def _dense_stage(ctx, node, shape, body, out_shape, width: int, pack: Pack | None) -> Tensor:
+def _dense_stage(
+    ctx, node, shape, body, out_shape, width: int, pack: Pack | None, dtype: str | None = None
+) -> Tensor:
     """The GEMM stage, with the facts its template needs: the panel width, the row tile its
     rows are padded for, the real output shape (what the epilogue crops) and the packing."""
-    product = compute(shape, body, ctx.stage_name(node), ctx.type(node.outputs[0]).dtype)
+    dtype = dtype or ctx.type(node.outputs[0]).dtype
+    product = compute(shape, body, ctx.stage_name(node), dtype)
     mr = gemm_row_tile(out_shape[-2], ctx.target, _panel_vectors(width, ctx))
     ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))
     if pack is not None:
         ctx.note(product.name, pack=pack.stage, pack_default=pack.default)
     return product
+
+
+def constant_product(
+    ctx: KernelContext, node: Node, a_at, rows: int, panels: Tensor, width: int, columns: int
+) -> Tensor:
+    """A [rows, K] x [K, columns] product by packed constant panels, as a GEMM stage the
+    dense template schedules (its shape padded to whole tiles: read only the real part).
+    `a_at(i, k)` reads A; any op can use it (a recurrence's hidden-state product, say)."""
+    kk = reduce_axis(panels.shape[1], "rk")
+    shape = _tiled_shape(ctx, (rows, columns), width)
+
+    def body(i, j):
+        return reduce_sum(a_at(_row(i, rows, shape[0]), kk) * _panel_read(panels, width, kk, j), kk)
+
+    return _dense_stage(ctx, node, shape, body, (rows, columns), width, None, panels.dtype)
 
 
 def _cropped(ctx: KernelContext, node: Node, product: Tensor, out_shape) -> Tensor:

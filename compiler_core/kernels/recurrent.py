@@ -1,14 +1,12 @@
 """Native kernels for RNN, GRU and LSTM (reference: compiler_core/graph/ops/recurrent.py).
 
-Tensor expressions have no loop-carried state, but the sequence length is static: the builder
-unrolls the recurrence, one set of stages per time step and direction (the hidden-state
-product is a reduction stage; the gates and the state update are elementwise stages reading
-the previous step's state, which is kept in memory (noted `materialize`) so that the default
-schedule does not inline the whole chain into each step). The input projection of
-every step is one reduction stage per direction. Everything runs in float64, as the reference
-does; batch entries past their `sequence_lens` keep their state and emit zeros, and a reverse
-direction walks each entry's own prefix backwards.
-"""
+Each direction is one `te.recurrence`: a loop over the steps carrying the hidden (and cell)
+state, so the kernel's size does not depend on the sequence length. Before the loop, the
+input projection of every step is one GEMM stage (W packed into panels at build time); in the
+loop, the hidden-state product is another (R packed the same way), both scheduled by the
+dense template in float32 as ORT computes them; the gates and the state update run in
+float64, as the reference does. Batch entries past their `sequence_lens` keep their state and
+emit zeros, and a reverse direction walks each entry's own prefix backwards."""
 
 from __future__ import annotations
 
@@ -17,10 +15,12 @@ from collections.abc import Callable
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.recurrent import DEFAULT_ACTIVATIONS, GATES, num_directions
 from compiler_core.kernels.base import Builder, KernelContext
+from compiler_core.kernels.nn import constant_product, packed_panels
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, maximum, minimum
-from compiler_core.te import Tensor, compute, reduce_axis, reduce_sum
+from compiler_core.te import Tensor, compute, recurrence, reduce_axis, reduce_sum
 
 F64 = "float64"
+F32 = "float32"
 
 
 def _c(value: float) -> Expr:
@@ -88,11 +88,10 @@ class _Recurrence:
         directly, it spares the schedule one stage to inline (and verify) per use."""
         return _Inline(body)
 
-    def kept_stage(self, shape, body) -> Tensor:
-        """A stage the default schedule keeps in memory instead of inlining: inlining the
-        state chain would copy each step's expression into every read of it (exponential in
-        the number of steps for an LSTM's cell state)."""
-        tensor = self.stage(shape, body)
+    def kept_stage(self, shape, body, dtype=F64) -> Tensor:
+        """A stage the default schedule keeps in memory instead of inlining (a value read
+        many times over: inlined, it would be recomputed at every read)."""
+        tensor = self.stage(shape, body, dtype)
         self.ctx.note(tensor.name, materialize=True)
         return tensor
 
@@ -149,55 +148,97 @@ class _Recurrence:
 
         return [make(*spec) for spec in zip(names, alphas, betas, strict=True)]
 
-    def projection(self, d: int, backward: bool) -> Tensor:
-        """x_t W^T + Wb for every step: [steps, batch, gates * hidden]."""
-        size = self.w.shape[2]
+    def projection(self, d: int, backward: bool):
+        """x_t W^T for every step, read as `projected(s, b, row)` (float64): with a constant
+        W, one GEMM stage over all steps' rows ([steps * batch, gates * hidden], the dense
+        template), else a plain reduction."""
+        size, w_value = self.w.shape[2], self.node.inputs[1]
+        columns = self.gates * self.hidden
 
-        def body(s, b, row):
-            k = reduce_axis(size, "rk")
-            t = self.time_of(s, b, backward)
-            return reduce_sum(self.x_at(t, b, k) * Cast(F64, self.w[(Const(d, INDEX), row, k)]), k)
+        def x_row(s, b, k):
+            return self.x_at(self.time_of(s, b, backward), b, k)
 
-        return self.stage((self.steps, self.batch, self.gates * self.hidden), body)
+        if not self.ctx.is_constant(w_value):
 
-    def recurrent_product(self, d: int, h: Tensor, first_row: int, rows: int, scale=None):
-        """(h [* scale]) R^T over `rows` gate rows starting at `first_row`."""
+            def body(s, b, row):
+                k = reduce_axis(size, "rk")
+                w = Cast(F64, self.w[(Const(d, INDEX), row, k)])
+                return reduce_sum(x_row(s, b, k) * w, k)
 
-        def body(b, j):
-            m = reduce_axis(self.hidden, "rm")
-            value = h[(b, m)] if scale is None else h[(b, m)] * scale[(b, m)]
-            row = j + Const(first_row, INDEX)
-            return reduce_sum(value * Cast(F64, self.r[(Const(d, INDEX), row, m)]), m)
+            plain = self.stage((self.steps, self.batch, columns), body)
+            return lambda s, b, row: plain[(s, b, row)]
+        weights = self.ctx.constant(w_value)[d].T.astype(F32)
+        panels, width = packed_panels(self.ctx, w_value, f"input{d}_panel{{}}", weights)
+        batch = Const(self.batch, INDEX)
+        rows = self.steps * self.batch
 
-        return self.stage((self.batch, rows), body)
+        def a_row(i, k):  # each step's inputs in the order the direction reads them
+            s, b = Binary("floordiv", i, batch), Binary("mod", i, batch)
+            return Cast(F32, x_row(s, b, k))
 
-    def run(self, d: int, backward: bool):
-        """(per-step hidden states, final states) of direction d."""
+        a = self.kept_stage((rows, size), a_row, dtype=F32)
+        product = constant_product(
+            self.ctx, self.node, lambda i, k: a[(i, k)], rows, panels, width, columns
+        )
+        return lambda s, b, row: Cast(F64, product[(s * batch + b, row)])
+
+    def recurrent_product(self, d: int, h, first_row: int, rows: int, scale=None) -> Tensor:
+        """(h [* scale]) R^T over `rows` gate rows starting at `first_row`: a GEMM stage by
+        R's rows packed at build time when R is a constant (the dense template's register
+        tiles; ORT's float32 arithmetic), else a plain reduction."""
+        r_value = self.node.inputs[2]
+
+        def a_value(b, m):
+            return h[(b, m)] if scale is None else h[(b, m)] * scale[(b, m)]
+
+        if not self.ctx.is_constant(r_value):
+
+            def body(b, j):
+                m = reduce_axis(self.hidden, "rm")
+                row = j + Const(first_row, INDEX)
+                return reduce_sum(a_value(b, m) * Cast(F64, self.r[(Const(d, INDEX), row, m)]), m)
+
+            return self.stage((self.batch, rows), body)
+        weights = self.ctx.constant(r_value)[d, first_row : first_row + rows, :].T
+        label = f"recurrent{d}_{first_row}_{rows}_panel{{}}"
+        panels, width = packed_panels(self.ctx, r_value, label, weights.astype(F32))
+        a = self.kept_stage(
+            (self.batch, self.hidden), lambda b, m: Cast(F32, a_value(b, m)), dtype=F32
+        )
+        return constant_product(
+            self.ctx, self.node, lambda i, m: a[(i, m)], self.batch, panels, width, rows
+        )
+
+    def run(self, d: int, backward: bool) -> list[Tensor]:
+        """Direction d's states [steps, batch, hidden] (h, and c for an LSTM): row s is the
+        state after step s. One loop over the steps carries them; an entry past its length
+        keeps its state."""
         dd = Const(d, INDEX)
         acts = self.activations(d)
         projected = self.projection(d, backward)
-        states = [self.initial(5, dd)] + ([self.initial(6, dd)] if self.node.op == "LSTM" else [])
-        hidden_steps = []
+        inits = [self.initial(5, dd)] + ([self.initial(6, dd)] if self.node.op == "LSTM" else [])
         cell = {"RNN": self.rnn_step, "GRU": self.gru_step, "LSTM": self.lstm_step}[self.node.op]
-        for s in range(self.steps):
-            new = cell(d, s, projected, states, acts)
+
+        def step(s, previous):
+            # The previous states as stages of the step: the recurrent product reads each
+            # element once per gate row, and a copy spares it the first-step test every time.
             states = [
-                self.kept_stage(
-                    (self.batch, self.hidden),
-                    lambda b, j, n=n, o=o, s=s: Select(
-                        Const(s, INDEX) < self.length(b), n[(b, j)], o[(b, j)]
-                    ),
-                )
+                self.kept_stage((self.batch, self.hidden), lambda b, j, p=p: p[(b, j)])
+                for p in previous
+            ]
+            new = cell(d, s, projected, states, acts)
+            return [
+                lambda b, j, n=n, o=o: Select(s < self.length(b), n[(b, j)], o[(b, j)])
                 for n, o in zip(new, states, strict=True)
             ]
-            hidden_steps.append(states[0])
-        return hidden_steps, states
+
+        return recurrence(self.steps, inits, step, f"{self.ctx.stage_name(self.node)}_d{d}")
 
     def gate(self, d, s, projected, hh, g, b, j) -> Expr:
         """Pre-activation of gate g: projected + recurrent product + both biases."""
         row = j + Const(g * self.hidden, INDEX)
-        value = projected[(Const(s, INDEX), b, row)] + self.bias_at(Const(d, INDEX), row, False)
-        return value + hh[(b, row)] + self.bias_at(Const(d, INDEX), row, True)
+        value = projected(s, b, row) + self.bias_at(Const(d, INDEX), row, False)
+        return value + Cast(F64, hh[(b, row)]) + self.bias_at(Const(d, INDEX), row, True)
 
     def rnn_step(self, d, s, projected, states, acts):
         (h,) = states
@@ -225,16 +266,16 @@ class _Recurrence:
 
             def candidate_at(b, j):
                 row = j + Const(2 * hidden, INDEX)
-                x_h = projected[(Const(s, INDEX), b, row)] + self.bias_at(dd, row, False)
-                return g(x_h + r[(b, j)] * (hh[(b, row)] + self.bias_at(dd, row, True)))
+                x_h = projected(s, b, row) + self.bias_at(dd, row, False)
+                return g(x_h + r[(b, j)] * (Cast(F64, hh[(b, row)]) + self.bias_at(dd, row, True)))
 
         else:
             reset_product = self.recurrent_product(d, h, 2 * hidden, hidden, scale=r)
 
             def candidate_at(b, j):
                 row = j + Const(2 * hidden, INDEX)
-                x_h = projected[(Const(s, INDEX), b, row)] + self.bias_at(dd, row, False)
-                return g(x_h + reset_product[(b, j)] + self.bias_at(dd, row, True))
+                x_h = projected(s, b, row) + self.bias_at(dd, row, False)
+                return g(x_h + Cast(F64, reset_product[(b, j)]) + self.bias_at(dd, row, True))
 
         candidate = self.inline((self.batch, hidden), candidate_at)
         return [
@@ -278,59 +319,44 @@ class _Recurrence:
         return [self.inline((self.batch, hidden), new_hidden), cell]
 
 
-def _select_step(steps: list[Tensor], step: Expr, b, j) -> Expr:
-    """steps[step][b, j] for a step index known only at run time."""
-    value = steps[-1][(b, j)]
-    for k in range(len(steps) - 2, -1, -1):
-        value = Select(Binary("eq", step, Const(k, INDEX)), steps[k][(b, j)], value)
-    return value
-
-
 def _recurrent(ctx: KernelContext, node: Node):
     rec = _Recurrence(ctx, node)
     directions = num_directions(node)
     reverse_only = node.attr("direction", "forward") == "reverse"
     runs = [rec.run(d, reverse_only or d == 1) for d in range(directions)]
-    out_types = [ctx.type(v) for v in node.outputs if v]
-    dtype = out_types[0].dtype
-    results = []
+    dtype = ctx.type(next(v for v in node.outputs if v)).dtype
+    last = Const(rec.steps - 1, INDEX)
+
+    def by_direction(d, value_of) -> Expr:
+        value = value_of(0)
+        for k in range(1, directions):
+            value = Select(Binary("eq", d, Const(k, INDEX)), value_of(k), value)
+        return value
 
     def y_body(*i):
         t, d, b, j = (i[1], i[2], i[0], i[3]) if rec.layout else i
-        value = _c(0.0)
-        for k, (steps, _) in enumerate(runs):
-            backward = reverse_only or k == 1
-            step = rec.time_of(t, b, backward)
-            inside = t < rec.length(b)
-            this = Select(inside, _select_step(steps, step, b, j), _c(0.0))
-            value = (
-                this if directions == 1 else Select(Binary("eq", d, Const(k, INDEX)), this, value)
-            )
-        return Cast(dtype, value)
+
+        def at(k):  # the step that read time t (a reverse direction reads it backwards)
+            step = rec.time_of(t, b, reverse_only or k == 1)
+            return runs[k][0][(step, b, j)]
+
+        return Cast(dtype, Select(t < rec.length(b), by_direction(d, at), _c(0.0)))
 
     def final_body(state_index):
         def body(*i):
             d, b, j = (i[1], i[0], i[2]) if rec.layout else i
-            value = _c(0.0)
-            for k, (_, finals) in enumerate(runs):
-                this = finals[state_index][(b, j)]
-                value = (
-                    this
-                    if directions == 1
-                    else Select(Binary("eq", d, Const(k, INDEX)), this, value)
-                )
-            ran = Const(0, INDEX) < rec.length(b)
-            return Cast(dtype, Select(ran, value, _c(0.0)))
+            # An entry keeps its state past its length: the last row is its final state.
+            value = by_direction(d, lambda k: runs[k][state_index][(last, b, j)])
+            return Cast(dtype, Select(Const(0, INDEX) < rec.length(b), value, _c(0.0)))
 
         return body
 
     bodies = [y_body, final_body(0), final_body(1)]
-    for index, value in enumerate(node.outputs):
-        if value:
-            results.append(
-                compute(ctx.type(value).shape, bodies[index], ctx.stage_name(node), dtype)
-            )
-    return results
+    return [
+        compute(ctx.type(value).shape, bodies[index], ctx.stage_name(node), dtype)
+        for index, value in enumerate(node.outputs)
+        if value
+    ]
 
 
 KERNELS: dict[str, Builder] = {op: _recurrent for op in ("RNN", "GRU", "LSTM")}

@@ -74,8 +74,9 @@ def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[S
     for s in stages:
         keep_padding = s.name.startswith("pad") and s.name not in depthwise_reads
         # A rank-0 stage is a single store with no loop nest to inline: it stays as it is. A
-        # builder notes `materialize` on a stage read many times over (a recurrence's state).
-        keep = keep_padding or not s.shape or s.note("materialize", False)
+        # builder notes `materialize` on a stage read many times over (a recurrence's previous
+        # state); a recurrence's update (`state`) writes the row its loop's step carries on.
+        keep = keep_padding or not s.shape or s.note("materialize") or s.note("state")
         if s.pure and not s.output and not keep:
             records.append(ComputeInline(s.name))
         else:
@@ -706,7 +707,10 @@ def _prepared(stages: list[StageInfo]):
     stages = [s for s in stages if all(stages_dim > 0 for stages_dim in s.shape)]
     records, kept = _inline_intermediates(stages)
     inlined = {s.name for s in stages} - {s.name for s in kept}
-    anchor = next((s for s in kept if s.op in ANCHOR_OPS and s.reduce_axes), None)
+    # A GEMM stage any builder made (it notes its panel width) anchors like a MatMul.
+    anchor = next(
+        (s for s in kept if (s.op in ANCHOR_OPS or s.note("panel")) and s.reduce_axes), None
+    )
     return stages, records, kept, inlined, anchor
 
 
@@ -727,7 +731,7 @@ def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
     layout = anchor.note("layout")
     if anchor.op == "Conv" and layout in ("nchwc", "nchwc_depthwise"):
         template = TEMPLATES["conv2d_nchwc"]
-    elif anchor.op in ("MatMul", "Gemm") and len(anchor.shape) >= 2:
+    elif (anchor.op in ("MatMul", "Gemm") or anchor.note("panel")) and len(anchor.shape) >= 2:
         template = TEMPLATES["dense"]
     else:
         return None
@@ -780,7 +784,12 @@ def schedule_for(
     for stage in kept:
         if stage.name in handled:
             continue
-        if stage.note("row_partial"):
+        if stage.note("panel") and stage.reduce_axes:
+            # Another GEMM stage of the group (a recurrence has one outside its loop and one
+            # in it): the dense template at its default point; the tuner tunes the anchor.
+            dense = TEMPLATES["dense"]
+            records += Tunable(dense, stage, None, dense.knobs(stage, target), target).records()
+        elif stage.note("row_partial"):
             records += row_partial_schedule(stage.name, len(stage.shape) - 1)
             records += _parallel_rows(stage, len(stage.shape) - 1)
         elif stage.note("unblock") and stage.pure:

@@ -393,18 +393,26 @@ def _stage_buffer(func: PrimFunc, stage: str, record) -> tuple[Buffer, list[Stor
 
 
 def _stage_nest(func: PrimFunc, buffer: Buffer, record) -> For:
-    """The outermost loop of the stage's own nest (it writes `buffer` and nothing else)."""
+    """The outermost loop of the stage's own nest (it writes `buffer` and nothing else). A
+    stage is a statement of the function's top level, or of a recurrence's step: a serial
+    loop whose body is a sequence of stages is looked into."""
     body = func.body
-    while isinstance(body, Allocate):
-        body = body.body
-    for stmt in body.stmts if isinstance(body, Block) else (body,):
+    while True:
+        while isinstance(body, Allocate):
+            body = body.body
+        stmt = _writer(body, buffer, record)
         writes = {s.buffer for s in walk_stmts(stmt) if isinstance(s, Store)}
-        if buffer in writes:
-            own = {buffer} | {s.buffer for s in walk_stmts(stmt) if isinstance(s, Allocate)}
-            if not writes <= own or not isinstance(stmt, For):
-                raise ScheduleError(
-                    f"{record}: stage {buffer.name!r} is not a loop nest of its own"
-                )
+        own = {buffer} | {s.buffer for s in walk_stmts(stmt) if isinstance(s, Allocate)}
+        if isinstance(stmt, For) and writes <= own:
+            return stmt
+        if not (isinstance(stmt, For) and stmt.kind == ForKind.SERIAL):
+            raise ScheduleError(f"{record}: stage {buffer.name!r} is not a loop nest of its own")
+        body = stmt.body
+
+
+def _writer(body: Stmt, buffer: Buffer, record) -> Stmt:
+    for stmt in body.stmts if isinstance(body, Block) else (body,):
+        if any(isinstance(s, Store) and s.buffer == buffer for s in walk_stmts(stmt)):
             return stmt
     raise ScheduleError(f"{record}: stage {buffer.name!r} is not at the top level")
 
@@ -429,6 +437,9 @@ def compute_inline(func: PrimFunc, r: ComputeInline) -> PrimFunc:
     if any(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(store.value)):
         raise ScheduleError(f"{r}: {r.stage!r} reads itself")
     nest = _stage_nest(func, buffer, r)
+    own_loops = {s.var.name for s in walk_stmts(nest) if isinstance(s, For)}
+    if not set(index_vars) <= own_loops:  # a recurrence's update stores at row t of a state
+        raise ScheduleError(f"{r}: {r.stage!r} stores at indices its own loops do not cover")
 
     def inline(e: Expr):
         if isinstance(e, Load) and e.buffer == buffer:

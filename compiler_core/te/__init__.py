@@ -12,12 +12,15 @@ per stage; schedule records then transform that function.
 from compiler_core.te.lower import lower
 from compiler_core.te.tensor import (
     ComputeOp,
+    Previous,
+    RecurrenceOp,
     ReduceAxis,
     Reduction,
     Tensor,
     TensorRead,
     compute,
     placeholder,
+    recurrence,
     reduce_axis,
     reduce_max,
     reduce_min,
@@ -27,6 +30,8 @@ from compiler_core.te.tensor import (
 
 __all__ = [
     "ComputeOp",
+    "Previous",
+    "RecurrenceOp",
     "ReduceAxis",
     "Reduction",
     "Tensor",
@@ -38,5 +43,6 @@ __all__ = [
     "reduce_max",
     "reduce_min",
     "reduce_prod",
+    "recurrence",
     "reduce_sum",
 ]

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from compiler_core.loop.ir import Expr, Var, as_expr
+from compiler_core.loop.ir import INDEX, Binary, Const, Expr, Select, Var, as_expr, maximum
+from compiler_core.loop.transform import walk_exprs
 
 
 def identifier(name: str) -> str:
@@ -140,3 +141,122 @@ def reduce_prod(source: Expr, axes) -> Reduction:
 
 def reduce_min(source: Expr, axes) -> Reduction:
     return _reduce("min", source, axes)
+
+
+# --- loop-carried state ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class RecurrenceOp:
+    """A serial loop over `steps` time steps that carries states from one step to the next.
+
+    Each state is a tensor [steps, *shape] whose row t is the state after step t. A step is
+    a chain of ordinary stages (`stages`, producers first, each over its own axes) that read
+    the previous row through `Previous` and tensors computed before the loop; its last stages
+    (`updates`, one per state, named like their state) write row t. Lowered, it is one loop
+    over t around the step's loop nests, so a 512-step recurrence is as small as a 4-step one.
+
+    `recurrence()` builds it and fills it once; it is not frozen because the states read
+    themselves (the step's stages refer to the state tensors that refer to this op).
+    """
+
+    name: str
+    time: Var
+    steps: int
+    inits: tuple[Tensor, ...]
+    states: tuple[Tensor, ...] = ()
+    stages: tuple[Tensor, ...] = ()  # the step's stages in order; the updates are among them
+    updates: tuple[Tensor, ...] = ()
+    outside: tuple[Tensor, ...] = ()  # tensors computed before the loop that the step reads
+
+
+class Previous:
+    """The state before step t: the initial value at t = 0, else row t - 1 of the state."""
+
+    def __init__(self, state: Tensor, init: Tensor, time: Var):
+        self.state, self.init, self.time = state, init, time
+
+    def __getitem__(self, indices) -> Expr:
+        indices = indices if isinstance(indices, tuple) else (indices,)
+        # The row index is clamped so that the unselected load at t = 0 stays in bounds.
+        row = maximum(self.time - Const(1, INDEX), Const(0, INDEX))
+        first = Binary("eq", self.time, Const(0, INDEX))
+        return Select(first, self.init[indices], self.state[(row, *indices)])
+
+
+def recurrence(
+    steps: int,
+    inits: Sequence[Tensor],
+    step: Callable[[Var, list[Previous]], Sequence[Callable[..., Expr]]],
+    name: str,
+) -> list[Tensor]:
+    """States [steps, *init.shape] of a loop-carried computation.
+
+    `step(t, previous)` declares one step: it may build stages with `compute` that read
+    `previous[k][...]`, tensors computed outside, and the time `t`; it returns, per state, the
+    body of the new state (a function of the state's axes, like a `compute` body).
+    """
+    if steps < 1:
+        raise ValueError(f"recurrence {name!r}: {steps} steps")
+    name = identifier(name)
+    op = RecurrenceOp(name, Var(f"{name}_t"), int(steps), tuple(inits))
+    op.states = tuple(
+        Tensor(f"{name}_s{k}", (int(steps), *init.shape), init.dtype, op)
+        for k, init in enumerate(inits)
+    )
+    previous = [Previous(s, i, op.time) for s, i in zip(op.states, op.inits, strict=True)]
+    bodies = list(step(op.time, previous))
+    if len(bodies) != len(op.states):
+        raise ValueError(f"recurrence {name!r}: {len(bodies)} updates for {len(op.states)} states")
+    op.updates = tuple(
+        compute(init.shape, body, state.name, init.dtype)
+        for body, init, state in zip(bodies, op.inits, op.states, strict=True)
+    )
+    op.stages, op.outside = _step_stages(op)
+    return list(op.states)
+
+
+def _step_stages(op: RecurrenceOp) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The stages that run inside the loop (they read a state, the time or another such
+    stage), producers first, and the tensors outside it that they read."""
+    inside: dict[int, bool] = {}
+    order: list[Tensor] = []
+    outside: list[Tensor] = []
+
+    def visit(t: Tensor) -> bool:
+        if id(t) in inside:
+            return inside[id(t)]
+        if t.op is op:
+            return True
+        if not isinstance(t.op, ComputeOp):
+            inside[id(t)] = False
+            return False
+        reads = tensor_reads(t.op.body)
+        flags = [visit(r) for r in reads]
+        is_inside = any(flags) or _mentions(t.op.body, op.time)
+        inside[id(t)] = is_inside
+        if is_inside:
+            order.append(t)
+            outside.extend(r for r, f in zip(reads, flags, strict=True) if not f)
+        return is_inside
+
+    for update in op.updates:
+        if not visit(update):  # a state that does not depend on the step still runs in it
+            order.append(update)
+            outside.extend(tensor_reads(update.op.body))
+    unique_outside = list({id(t): t for t in outside if t.op is not op}.values())
+    return tuple(order), tuple(unique_outside)
+
+
+def tensor_reads(expr: Expr) -> list[Tensor]:
+    """The tensors an expression reads, in first-read order."""
+    found: dict[int, Tensor] = {}
+    for e in walk_exprs(expr.source if isinstance(expr, Reduction) else expr):
+        if isinstance(e, TensorRead):
+            found.setdefault(id(e.tensor), e.tensor)
+    return list(found.values())
+
+
+def _mentions(expr: Expr, var: Var) -> bool:
+    source = expr.source if isinstance(expr, Reduction) else expr
+    return any(isinstance(e, Var) and e.name == var.name for e in walk_exprs(source))
