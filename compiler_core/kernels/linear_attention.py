@@ -1,9 +1,9 @@
 """Native kernel for LinearAttention (reference: compiler_core/graph/ops/transformer.py).
 
-The recurrence over the static sequence is unrolled: per step, the state S [B, H, Dk, Dv] is
-decayed (gated rules), corrected by the delta rule (v' = beta (v - S^T k)), updated with the
-outer product k v'^T, and read by the step's queries (o = scale q S). Everything runs in
-float64 like the reference and is cast once at the end.
+One `te.recurrence` over the sequence (the kernel's size does not depend on its length): per
+step, the state S [B, H, Dk, Dv] is decayed (gated rules), corrected by the delta rule
+(v' = beta (v - S^T k)), updated with the outer product k v'^T, and read by the step's queries
+(o = scale q S). Everything runs in float64 like the reference and is cast once at the end.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 from compiler_core.graph.ir import Node
 from compiler_core.kernels.base import Builder, KernelContext
 from compiler_core.kernels.transformer import _optional
-from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary
-from compiler_core.te import Tensor, compute, reduce_axis, reduce_sum
+from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Unary
+from compiler_core.te import Tensor, compute, recurrence, reduce_axis, reduce_sum
 
 F64 = "float64"
 
@@ -52,7 +52,7 @@ class _LinearAttention:
         heads = self.kv_heads if packed % self.kv_heads == 0 else 1
         width = packed // heads
         head = h if heads > 1 else _index(0)
-        return self.packed(t, b, _index(step), head, width, i if width > 1 else _index(0))
+        return self.packed(t, b, step, head, width, i if width > 1 else _index(0))
 
     def initial_state(self) -> Tensor:
         past = self.past
@@ -61,11 +61,12 @@ class _LinearAttention:
             lambda *i: Cast(F64, past[i]) if past is not None else Const(0.0, F64),
         )
 
-    def key_at(self, b, h, step: int, i) -> Expr:
-        return self.packed(self.key, b, _index(step), h, self.d_k, i)
+    def key_at(self, b, h, step: Expr, i) -> Expr:
+        return self.packed(self.key, b, step, h, self.d_k, i)
 
-    def step(self, t: int, state: Tensor) -> tuple[Tensor, Tensor]:
-        """(the state after step t, the step's unscaled output [B, Hq, Dv])."""
+    def step(self, t: Expr, state) -> list:
+        """The bodies of the state after step t and of the step's unscaled output
+        [B, Hq, Dv]; `state` reads the state before it."""
         if self.gated:  # a per-key (or per-head) factor on the rows of every state matrix
             previous = state
             state = self.stage(
@@ -79,24 +80,24 @@ class _LinearAttention:
 
         def update(b, h, i, j):
             if corrected is None:
-                written = self.packed(self.value, b, _index(t), h, self.d_v, j)
+                written = self.packed(self.value, b, t, h, self.d_v, j)
             else:
                 written = corrected[(b, h, j)]
             return decayed[(b, h, i, j)] + self.key_at(b, h, t, i) * written
 
         updated = self.stage(self.state_shape, update)
-        # Kept in memory: inlined, every step would recompute all the steps before it.
+        # Kept in memory: the step's output reads it Dv times over.
         self.ctx.note(updated.name, materialize=True)
 
         def output_body(b, hq, j):
             i = reduce_axis(self.d_k, "rq")
             kv_head = Binary("floordiv", hq, _index(self.group))
-            q = self.packed(self.query, b, _index(t), hq, self.d_k, i)
+            q = self.packed(self.query, b, t, hq, self.d_k, i)
             return reduce_sum(q * updated[(b, kv_head, i, j)], i)
 
-        return updated, self.stage((self.batch, self.q_heads, self.d_v), output_body)
+        return [lambda *i: updated[i], output_body]
 
-    def delta_corrected(self, t: int, decayed: Tensor) -> Tensor:
+    def delta_corrected(self, t: Expr, decayed) -> Tensor:
         """beta (v - S^T k): write only what the decayed state does not already predict."""
 
         def predicted_body(b, h, j):
@@ -106,7 +107,7 @@ class _LinearAttention:
         predicted = self.stage((self.batch, self.kv_heads, self.d_v), predicted_body)
 
         def corrected_body(b, h, j):
-            value = self.packed(self.value, b, _index(t), h, self.d_v, j)
+            value = self.packed(self.value, b, t, h, self.d_v, j)
             return self.gate(self.beta, b, h, t, j) * (value - predicted[(b, h, j)])
 
         return self.stage((self.batch, self.kv_heads, self.d_v), corrected_body)
@@ -114,28 +115,34 @@ class _LinearAttention:
 
 def _linear_attention(ctx: KernelContext, node: Node):
     la = _LinearAttention(ctx, node)
-    state, outputs = la.initial_state(), []
-    for t in range(la.steps):
-        state, out = la.step(t, state)
-        outputs.append(out)
+    outputs_shape = (la.batch, la.q_heads, la.d_v)
+    no_output = compute(outputs_shape, lambda *i: Const(0.0, F64), ctx.stage_name(node), F64)
+    states, outputs = recurrence(
+        la.steps,
+        [la.initial_state(), no_output],
+        lambda t, prev: la.step(t, prev[0]),
+        ctx.stage_name(node),
+    )
     y_type = ctx.type(node.outputs[0]) if node.outputs[0] else None
 
     def y_body(b, t, packed):
         hq = Binary("floordiv", packed, _index(la.d_v))
         j = Binary("mod", packed, _index(la.d_v))
-        value = outputs[-1][(b, hq, j)]
-        for k in range(len(outputs) - 2, -1, -1):
-            value = Select(Binary("eq", t, _index(k)), outputs[k][(b, hq, j)], value)
-        return Cast(y_type.dtype, value * Const(la.scale, F64))
+        return Cast(y_type.dtype, outputs[(t, b, hq, j)] * Const(la.scale, F64))
 
     results = []
     if node.outputs[0]:
         results.append(compute(y_type.shape, y_body, ctx.stage_name(node), y_type.dtype))
     if len(node.outputs) > 1 and node.outputs[1]:
         dtype = ctx.type(node.outputs[1]).dtype
-        final = state
+        last = _index(la.steps - 1)
         results.append(
-            compute(final.shape, lambda *i: Cast(dtype, final[i]), ctx.stage_name(node), dtype)
+            compute(
+                la.state_shape,
+                lambda *i: Cast(dtype, states[(last, *i)]),
+                ctx.stage_name(node),
+                dtype,
+            )
         )
     return results
 
