@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,6 +156,22 @@ def reduce_mean(name, shape, axes, description=""):
     return Case(name, "row_reduction", description, build)
 
 
+def lstm(name, steps, size, hidden, description=""):
+    """A one-layer LSTM (PyTorch's weight scale, 1/sqrt(hidden)) over `steps` steps."""
+
+    def build():
+        scale = hidden**-0.5
+        weights = {
+            "w": _weights(1, 4 * hidden, size, scale=scale),
+            "r": _weights(1, 4 * hidden, hidden, scale=scale),
+            "b": _weights(1, 8 * hidden, scale=scale),
+        }
+        attrs = {"hidden_size": hidden}
+        return _model("LSTM", {"x": [steps, 1, size]}, weights, [steps, 1, 1, hidden], attrs, 14)
+
+    return Case(name, "recurrent", description, build)
+
+
 def _avgpool_out(shape, kernel, stride, pad):
     return [*shape[:2], *[_out_len(s, kernel, stride, pad) for s in shape[2:]]]
 
@@ -272,6 +289,8 @@ CASES: dict[str, Case] = {
         ),
         matmul("vecmat_768", [768], [768, 3072], True, description="1-D input, dense layer"),
         conv_transpose("convT1d_k16s8", 512, 256, [32], 16, 8, 4, description="HiFi-GAN up"),
+        lstm("lstm_4", 4, 128, 192, description="torch.nn.LSTM(128, 192), 4 steps"),
+        lstm("lstm_512", 512, 128, 192, description="the same over 512 steps (one loop)"),
     ]
 }
 
@@ -283,12 +302,14 @@ def max_error(ours: np.ndarray, theirs: np.ndarray) -> float:
 
 def bench_case(case: Case, threads: int) -> dict:
     data, feeds = case.build()
+    started = time.perf_counter()
     module = load(compiler_core.compile(data), num_threads=threads)
+    compile_s = time.perf_counter() - started
     session = ort_session(data, threads)
     ours = module.run(feeds)["y"]
     (theirs,) = session.run(None, feeds)
     error = max_error(ours, theirs)
-    result = {"case": case.name, "family": case.family, "max_error": error}
+    result = {"case": case.name, "family": case.family, "max_error": error, "compile_s": compile_s}
     if not error <= 1e-4:
         result["failed"] = f"output differs from ORT: max error {error:.2e} of its scale"
         return result
@@ -314,7 +335,8 @@ def main() -> None:
         parser.error(f"unknown case(s) {unknown}; --list shows them")
 
     print(f"CPU: {cpu_name()}; {args.threads} threads; untuned")
-    print(f"{'case':16s} {'kiln ms':>9s} {'ORT ms':>9s} {'kiln/ORT':>8s}  description")
+    header = f"{'case':16s} {'kiln ms':>9s} {'ORT ms':>9s} {'kiln/ORT':>8s} {'compile s':>9s}"
+    print(f"{header}  description")
     results = []
     for name in args.cases:
         case = CASES[name]
@@ -325,7 +347,7 @@ def main() -> None:
             continue
         print(
             f"{name:16s} {r['kiln']['median_ms']:9.3f} {r['onnxruntime']['median_ms']:9.3f} "
-            f"{r['ratio_median']:8.2f}  {case.description}"
+            f"{r['ratio_median']:8.2f} {r['compile_s']:9.2f}  {case.description}"
         )
     summarize(results, "case", args.json)
 
