@@ -310,7 +310,8 @@ class _Recurrence:
                 forget = f(self.gate(d, s, projected, hh, 2, b, j) + peephole(2, b, j, c[(b, j)]))
             return forget * c[(b, j)] + i * g(self.gate(d, s, projected, hh, 3, b, j))
 
-        cell = self.inline((self.batch, hidden), new_cell)
+        # A stage of the step: the hidden update reads it too (inlined, it recomputes the gates).
+        cell = self.kept_stage((self.batch, hidden), new_cell)
 
         def new_hidden(b, j):
             o = f(self.gate(d, s, projected, hh, 1, b, j) + peephole(1, b, j, cell[(b, j)]))
