@@ -394,8 +394,8 @@ def _stage_buffer(func: PrimFunc, stage: str, record) -> tuple[Buffer, list[Stor
 
 def _stage_nest(func: PrimFunc, buffer: Buffer, record) -> For:
     """The outermost loop of the stage's own nest (it writes `buffer` and nothing else). A
-    stage is a statement of the function's top level, or of a recurrence's step: a serial
-    loop whose body is a sequence of stages is looked into."""
+    stage is a statement of the function's top level or of a recurrence's step: a serial loop
+    that writes more than the stage (a loop over the steps) is looked into."""
     body = func.body
     while True:
         while isinstance(body, Allocate):
