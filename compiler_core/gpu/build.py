@@ -31,7 +31,7 @@ from compiler_core.loop.ir import Buffer, PrimFunc, Store
 from compiler_core.loop.transform import walk_stmts
 from compiler_core.loop.verify import LoopVerificationError
 from compiler_core.schedule.primitives import Record, ScheduleError, apply
-from compiler_core.target import Target
+from compiler_core.target import Target, TargetError
 
 # Device buffers start on 256-byte boundaries: coalesced loads, and OpenCL sub-buffers (the
 # twin's workspace views) need the device's base-address alignment (128 bytes on PoCL).
@@ -70,6 +70,13 @@ def _value_of(lowered: LoweredGroup, arg: tuple[str, object]) -> str:
 def build_group_kernels(graph: Graph, group, index: int, target: Target, schedule=None):
     """(lowered group, its schedule, [(device function, argument values)], scratch sizes)."""
     lowered = lower_group(graph, group, index, target)
+    if any(stage.note("state") for stage in lowered.stages):
+        # A device kernel ends at each top-level loop nest; a loop over time steps around
+        # several nests would need the host to launch the step's kernels once per step.
+        raise TargetError(
+            f"group {lowered.name!r}: a recurrence (RNN, GRU, LSTM, LinearAttention) has no GPU "
+            "kernel yet; compile this model for the CPU (--target llvm)"
+        )
     if schedule is not None:
         records = list(schedule)
         kernels, scratch = _scheduled(lowered, records, target)

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from compiler_core.kernels.schedules import Knob, StageInfo, Template, Tunable
+from compiler_core.kernels.schedules import Knob, StageInfo, Template, Tunable, kept_by_builder
 from compiler_core.loop.ir import Load, PrimFunc, Store
 from compiler_core.loop.transform import walk_exprs, walk_stmts
 from compiler_core.schedule.primitives import (
@@ -66,8 +66,7 @@ def default_config(template: Template, stage: StageInfo, target: Target) -> dict
 def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[StageInfo]]:
     records, kept = [], []
     for s in stages:
-        keep = not s.shape or s.note("materialize", False)
-        if s.pure and not s.output and not keep:
+        if s.pure and not s.output and not kept_by_builder(s):
             records.append(ComputeInline(s.name))
         else:
             kept.append(s)

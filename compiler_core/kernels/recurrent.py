@@ -104,7 +104,6 @@ class _Recurrence:
 
     def time_of(self, step, b, backward: bool) -> Expr:
         """The time index a direction's `step` reads: reverse walks each entry's prefix."""
-        step = step if isinstance(step, Expr) else Const(step, INDEX)
         if not backward:
             return step
         n = self.length(b)

@@ -62,6 +62,13 @@ def _largest_divisor(n: int, candidates) -> int:
     return next((c for c in candidates if c <= n and n % c == 0), 1)
 
 
+def kept_by_builder(s: StageInfo) -> bool:
+    """A stage no schedule inlines: a rank-0 stage (a single store, no nest to inline), one
+    its builder notes `materialize` (read many times over: inlined, it would be recomputed at
+    every read), or a recurrence's update (`state`: it writes the row its loop carries on)."""
+    return not s.shape or bool(s.note("materialize")) or bool(s.note("state"))
+
+
 def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[StageInfo]]:
     """Inline every pure intermediate stage, except the ones a builder asks to keep and padding
     that feeds a convolution with enough arithmetic per input value to pay for a copy without
@@ -73,10 +80,7 @@ def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[S
     records, kept = [], []
     for s in stages:
         keep_padding = s.name.startswith("pad") and s.name not in depthwise_reads
-        # A rank-0 stage is a single store with no loop nest to inline: it stays as it is. A
-        # builder notes `materialize` on a stage read many times over (a recurrence's previous
-        # state); a recurrence's update (`state`) writes the row its loop's step carries on.
-        keep = keep_padding or not s.shape or s.note("materialize") or s.note("state")
+        keep = keep_padding or kept_by_builder(s)
         if s.pure and not s.output and not keep:
             records.append(ComputeInline(s.name))
         else:

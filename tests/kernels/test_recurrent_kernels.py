@@ -176,3 +176,27 @@ def test_a_512_step_lstm_is_one_loop_and_matches_onnxruntime():
     names = [o.name for o in session.get_outputs()]
     for name, want in zip(names, session.run(None, feeds), strict=True):
         np.testing.assert_allclose(actual[name], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_recurrence_for_a_gpu_target_is_refused_with_the_reason():
+    from compiler_core.target import TargetError
+
+    graph = optimize(import_model(recurrent_model("LSTM", steps=3, batch=1, size=4, hidden=2)))
+    with pytest.raises(TargetError, match="recurrence .* has no GPU kernel yet"):
+        compile_graph(graph, parse_target("cuda -arch=sm_90"))
+
+
+@pytest.mark.parametrize("op", ["GRU", "LSTM"])
+def test_weights_given_at_run_time_take_the_plain_products(op):
+    """W and R as graph inputs, not initializers: no build-time packing, plain reductions."""
+    from onnx import numpy_helper
+
+    model = recurrent_model(op, steps=4, batch=2, size=3, hidden=5, direction="bidirectional")
+    feeds = random_feeds(4, 2, 3, 5, 2)
+    for name in ("w", "r"):
+        (init,) = [i for i in model.graph.initializer if i.name == name]
+        array = numpy_helper.to_array(init)
+        model.graph.initializer.remove(init)
+        model.graph.input.append(helper.make_tensor_value_info(name, FLOAT, list(array.shape)))
+        feeds[name] = array
+    check(model, feeds)
