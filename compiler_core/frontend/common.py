@@ -5,7 +5,7 @@ the other back."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -77,14 +77,26 @@ def tensor_to_array(tensor: TensorProto) -> np.ndarray:
 class ImportContext:
     """What a converter sees: types and known values so far, and where to emit nodes."""
 
-    def __init__(self, opset: int, taken_names: set[str]):
+    def __init__(
+        self,
+        opset: int,
+        taken_names: set[str],
+        convert: Callable[[ImportContext, onnx.NodeProto], None] | None = None,
+    ):
         self.opset = opset
+        # How one ONNX node is converted (checks included): control-flow converters run it
+        # on their bodies' nodes, which is why it is handed in rather than imported.
+        self.convert = convert
         self.types: dict[str, TensorType] = {}
         self.known: dict[str, np.ndarray] = {}
         self.constants: dict[str, np.ndarray] = {}
         self.nodes: list[Node] = []
         self.fresh = NameGenerator(taken_names)
         self.current: onnx.NodeProto | None = None
+
+    def subcontext(self, taken_names: set[str]) -> ImportContext:
+        """A context for a body graph, converted with the same opset and rules."""
+        return ImportContext(self.opset, taken_names, self.convert)
 
     # queries
 

@@ -39,10 +39,12 @@ class Attrs:
 def _attribute_value(node: onnx.NodeProto, attr: onnx.AttributeProto):
     if attr.ref_attr_name:
         raise UnsupportedError(f"node {node.name!r}: attribute references are not supported")
-    if attr.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+    if attr.type == AttributeProto.GRAPH:
+        return attr.g  # a body: the control-flow converters import it themselves
+    if attr.type == AttributeProto.GRAPHS:
         raise UnsupportedError(
-            f"node {node.name!r} ({node.op_type}): subgraph attribute {attr.name!r} "
-            "(control flow) is not supported"
+            f"node {node.name!r} ({node.op_type}): graph-list attribute {attr.name!r} is not "
+            "supported"
         )
     if attr.type == AttributeProto.TENSOR:
         return tensor_to_array(attr.t)

@@ -325,7 +325,7 @@ def import_model(
     taken = {v.name for v in graph_proto.input} | {t.name for t in graph_proto.initializer}
     for node in graph_proto.node:
         taken.update(node.output)
-    ctx = ImportContext(opset, taken)
+    ctx = ImportContext(opset, taken, convert_checked)
 
     for tensor in graph_proto.initializer:
         ctx.add_constant(tensor_to_array(tensor), name=tensor.name)
@@ -342,13 +342,7 @@ def import_model(
 
     for node in graph_proto.node:
         ctx.current = node
-        if node.domain not in DEFAULT_DOMAINS:
-            raise UnsupportedError(
-                f"node {node.name!r}: operator {node.domain}.{node.op_type} is outside the "
-                "default ONNX domain; not supported"
-            )
-        _check_type_constraints(ctx, node)
-        convert_node(ctx, node)
+        convert_checked(ctx, node)
     ctx.current = None
 
     outputs = [v.name for v in graph_proto.output]
@@ -363,6 +357,17 @@ def import_model(
         types=ctx.types,
         constants=ctx.constants,
     ).pruned()
+
+
+def convert_checked(ctx: ImportContext, node: onnx.NodeProto) -> None:
+    """Convert one node into `ctx` after the checks every node passes."""
+    if node.domain not in DEFAULT_DOMAINS:
+        raise UnsupportedError(
+            f"node {node.name!r}: operator {node.domain}.{node.op_type} is outside the "
+            "default ONNX domain; not supported"
+        )
+    _check_type_constraints(ctx, node)
+    convert_node(ctx, node)
 
 
 def _check_type_constraints(ctx: ImportContext, node: onnx.NodeProto) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from compiler_core.frontend import (
+    convert_control,
     convert_conv_transpose,
     convert_image,
     convert_indexing,
@@ -560,6 +561,7 @@ CONVERTERS: dict[str, dict[int, Converter]] = _merge(
     convert_quantize.CONVERTERS,
     convert_signal.CONVERTERS,
     convert_linalg.CONVERTERS,
+    convert_control.CONVERTERS,
 )
 
 

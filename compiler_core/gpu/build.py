@@ -74,8 +74,8 @@ def build_group_kernels(graph: Graph, group, index: int, target: Target, schedul
         # A device kernel ends at each top-level loop nest; a loop over time steps around
         # several nests would need the host to launch the step's kernels once per step.
         raise TargetError(
-            f"group {lowered.name!r}: a recurrence (RNN, GRU, LSTM, LinearAttention) has no GPU "
-            "kernel yet; compile this model for the CPU (--target llvm)"
+            f"group {lowered.name!r}: a recurrence (RNN, GRU, LSTM, LinearAttention, Scan, "
+            "Loop) has no GPU kernel yet; compile this model for the CPU (--target llvm)"
         )
     if schedule is not None:
         records = list(schedule)

@@ -111,7 +111,31 @@ class ArrayAttr:
         return f"array({TensorType.of(self.array)}, sha={self.digest[:12]})"
 
 
+class GraphAttr:
+    """A subgraph-valued attribute (a loop's body), hashable by the body's structural key."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+
+    @property
+    def key(self) -> str:
+        return self.graph.key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GraphAttr) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"graph({self.graph.name}, key={self.key[:16]})"
+
+
 def _normalize_attr(value: Any) -> Any:
+    if isinstance(value, Graph):
+        return GraphAttr(value)
     if isinstance(value, np.ndarray):
         return ArrayAttr(value)
     if isinstance(value, (list, tuple)):

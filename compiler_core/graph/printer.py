@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from compiler_core.graph.ir import ArrayAttr, Graph, Node
+from compiler_core.graph.ir import ArrayAttr, Graph, GraphAttr, Node
 
 
 def _format_attr(value) -> str:
@@ -10,7 +10,7 @@ def _format_attr(value) -> str:
         return "[" + ",".join(_format_attr(v) for v in value) + "]"
     if isinstance(value, float):
         return f"{value:g}"
-    if isinstance(value, ArrayAttr):
+    if isinstance(value, (ArrayAttr, GraphAttr)):
         return repr(value)
     return str(value)
 
@@ -37,6 +37,10 @@ def format_graph(graph: Graph, show_groups: bool = False, show_constants: bool =
             lines.append(f"  const %{name}: {graph.types[name]}")
     for node in graph.nodes:
         lines.append(f"  {format_node(node, graph)}    # {node.name}")
+        for _, value in node.attrs:
+            if isinstance(value, GraphAttr):  # a body, printed in full under its node
+                body = format_graph(value.graph, show_constants=show_constants)
+                lines.extend("    " + line for line in body.splitlines())
     lines.append("}")
     if show_groups and graph.groups:
         lines.append(format_groups(graph))

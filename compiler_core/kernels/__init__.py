@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from compiler_core.kernels import (
+    control,
     elementwise,
     injective,
     linear_attention,
@@ -40,6 +41,7 @@ KERNELS: dict[str, Builder] = _merge(
     signal.KERNELS,
     recurrent.KERNELS,
     linear_attention.KERNELS,
+    control.KERNELS,
 )
 
 __all__ = ["KERNELS", "KernelContext", "KernelError"]

@@ -88,7 +88,7 @@ class KernelContext:
         """A kernel input holding `array`, a build-time transform of constant `source`."""
         name = f"{source}::{label}"
         if name not in self.tensors:
-            array = np.ascontiguousarray(array)
+            array = np.ascontiguousarray(array).reshape(np.shape(array))  # 0-d stays 0-d
             tensor = placeholder(array.shape, array.dtype.name, f"in{len(self.inputs)}")
             self.tensors[name] = tensor
             self.inputs.append((name, tensor))

@@ -51,6 +51,14 @@ NATIVE_MUST_PASS = (
     "test_rnn_seq_length",
     "test_linear_attention_gated_delta_gqa",
     "test_linear_attention_prefill_with_past",
+    # Control flow: Scan as one native loop, Loop unrolled (its Slice bounds are the
+    # iteration number), If with a run-time condition.
+    "test_scan_sum",
+    "test_scan9_sum",
+    "test_scan9_multi_state",
+    "test_scan9_scalar",
+    "test_loop11",
+    "test_if",
 )
 
 

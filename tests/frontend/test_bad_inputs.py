@@ -58,23 +58,33 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_unsupported_operator_names_node_op_and_opset():
-    model = make_model(
+    # A while loop (no trip count) has no static bound: the one Loop form Kiln refuses.
+    body = helper.make_graph(
         [
-            helper.make_node(
-                "Loop",
-                ["m", "c"],
-                ["y"],
-                name="the_loop",
-                body=helper.make_graph([], "body", [], []),
-            )
+            helper.make_node("Not", ["cond_in"], ["cond_out"]),
+            helper.make_node("Identity", ["y_in"], ["y_out"]),
         ],
-        [("m", TensorProto.INT64, []), ("c", TensorProto.BOOL, [])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("y_in", FLOAT, [1]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("y_out", FLOAT, [1]),
+        ],
+    )
+    model = make_model(
+        [helper.make_node("Loop", ["", "c", "x"], ["y"], name="the_loop", body=body)],
+        [("c", TensorProto.BOOL, []), ("x", FLOAT, [1])],
         [("y", FLOAT, [1])],
     )
     with pytest.raises(UnsupportedError) as info:
         import_model(model)
     assert "the_loop" in str(info.value)
     assert "Loop" in str(info.value)
+    assert "trip count" in str(info.value)
 
 
 def test_unknown_operator_names_node_op_and_opset():

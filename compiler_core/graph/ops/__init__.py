@@ -6,6 +6,7 @@ One plain dict, merged from the family modules; a name defined twice is an error
 from __future__ import annotations
 
 from compiler_core.graph.ops import (
+    control,
     conv_transpose,
     elementwise,
     image,
@@ -40,6 +41,7 @@ _FAMILIES = (
     quantize.OPS,
     signal.OPS,
     linalg.OPS,
+    control.OPS,
 )
 
 
