@@ -69,11 +69,12 @@ def _stage_infos(ctx: KernelContext, outputs: Sequence[te.Tensor]) -> list[Stage
             updates = {id(u) for u in t.op.updates}
             for stage in t.op.stages:
                 info = _stage_info(ctx, stage, False)
-                if id(stage) in updates:  # it writes row t of its state: never inlined
-                    info = dataclasses.replace(
-                        info, notes=tuple(sorted({**dict(info.notes), "state": True}.items()))
-                    )
-                infos.append(info)
+                # Every stage of the step runs once per step (`in_step`); an update writes
+                # row t of its state and is never inlined (`state`).
+                notes = {**dict(info.notes), "in_step": True}
+                if id(stage) in updates:
+                    notes["state"] = True
+                infos.append(dataclasses.replace(info, notes=tuple(sorted(notes.items()))))
     return infos
 
 

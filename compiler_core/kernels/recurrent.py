@@ -5,8 +5,8 @@ state, so the kernel's size does not depend on the sequence length. Before the l
 input projection of every step is one GEMM stage (W packed into panels at build time); in the
 loop, the hidden-state product is another (R packed the same way), both scheduled by the
 dense template in float32 as ORT computes them; the gates and the state update run in
-float64, as the reference does. Batch entries past their `sequence_lens` keep their state and
-emit zeros, and a reverse direction walks each entry's own prefix backwards."""
+float32 as well (float64 for a float64 model). Batch entries past their `sequence_lens` keep
+their state and emit zeros, and a reverse direction walks each entry's own prefix backwards."""
 
 from __future__ import annotations
 
@@ -19,33 +19,37 @@ from compiler_core.kernels.nn import constant_product, packed_panels
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, maximum, minimum
 from compiler_core.te import Tensor, compute, recurrence, reduce_axis, reduce_sum
 
-F64 = "float64"
 F32 = "float32"
 
 
-def _c(value: float) -> Expr:
-    return Const(float(value), F64)
+def _c(value: float, dtype: str) -> Expr:
+    return Const(float(value), dtype)
 
 
 def _sigmoid(x, a, b):
-    return _c(0.5) * (_c(1.0) + Unary("tanh", _c(0.5) * x))
+    return _c(0.5, x.dtype) * (_c(1.0, x.dtype) + Unary("tanh", _c(0.5, x.dtype) * x))
 
 
 ACTIVATIONS: dict[str, Callable[[Expr, float, float], Expr]] = {
-    "Relu": lambda x, a, b: maximum(x, _c(0.0)),
+    "Relu": lambda x, a, b: maximum(x, _c(0.0, x.dtype)),
     "Tanh": lambda x, a, b: Unary("tanh", x),
     "Sigmoid": _sigmoid,
-    "Affine": lambda x, a, b: _c(a) * x + _c(b),
-    "LeakyRelu": lambda x, a, b: Select(x >= _c(0.0), x, _c(a) * x),
-    "ThresholdedRelu": lambda x, a, b: Select(x >= _c(a), x, _c(0.0)),
-    "ScaledTanh": lambda x, a, b: _c(a) * Unary("tanh", _c(b) * x),
-    "HardSigmoid": lambda x, a, b: minimum(maximum(_c(a) * x + _c(b), _c(0.0)), _c(1.0)),
-    "Elu": lambda x, a, b: Select(
-        x >= _c(0.0), x, _c(a) * (Unary("exp", minimum(x, _c(0.0))) - _c(1.0))
+    "Affine": lambda x, a, b: _c(a, x.dtype) * x + _c(b, x.dtype),
+    "LeakyRelu": lambda x, a, b: Select(x >= _c(0.0, x.dtype), x, _c(a, x.dtype) * x),
+    "ThresholdedRelu": lambda x, a, b: Select(x >= _c(a, x.dtype), x, _c(0.0, x.dtype)),
+    "ScaledTanh": lambda x, a, b: _c(a, x.dtype) * Unary("tanh", _c(b, x.dtype) * x),
+    "HardSigmoid": lambda x, a, b: minimum(
+        maximum(_c(a, x.dtype) * x + _c(b, x.dtype), _c(0.0, x.dtype)), _c(1.0, x.dtype)
     ),
-    "Softsign": lambda x, a, b: x / (_c(1.0) + Unary("abs", x)),
+    "Elu": lambda x, a, b: Select(
+        x >= _c(0.0, x.dtype),
+        x,
+        _c(a, x.dtype) * (Unary("exp", minimum(x, _c(0.0, x.dtype))) - _c(1.0, x.dtype)),
+    ),
+    "Softsign": lambda x, a, b: x / (_c(1.0, x.dtype) + Unary("abs", x)),
     "Softplus": lambda x, a, b: (
-        maximum(x, _c(0.0)) + Unary("log", _c(1.0) + Unary("exp", -Unary("abs", x)))
+        maximum(x, _c(0.0, x.dtype))
+        + Unary("log", _c(1.0, x.dtype) + Unary("exp", -Unary("abs", x)))
     ),
 }
 
@@ -70,6 +74,10 @@ class _Recurrence:
         )
         self.hidden = node.attr("hidden_size")
         self.gates = GATES[node.op]
+        # Gates and state updates compute in float32, as ONNX Runtime does (float32 tanh and
+        # sigmoid expand to vectorized polynomials; float64 ones are a libm call per
+        # element), or in float64 for a float64 model.
+        self.dtype = "float64" if x_type.dtype == "float64" else F32
         self.x = ctx.tensor(node.inputs[0])
         self.w, self.r = ctx.tensor(node.inputs[1]), ctx.tensor(node.inputs[2])
         self.bias = self.optional(3)
@@ -80,15 +88,18 @@ class _Recurrence:
         inputs = self.node.inputs
         return self.ctx.tensor(inputs[index]) if len(inputs) > index and inputs[index] else None
 
-    def stage(self, shape, body, dtype=F64) -> Tensor:
-        return compute(shape, body, self.ctx.stage_name(self.node), dtype)
+    def c(self, value: float) -> Expr:
+        return _c(value, self.dtype)
+
+    def stage(self, shape, body, dtype=None) -> Tensor:
+        return compute(shape, body, self.ctx.stage_name(self.node), dtype or self.dtype)
 
     def inline(self, shape, body) -> _Inline:
         """An intermediate the default schedule would inline anyway: built as an expression
         directly, it spares the schedule one stage to inline (and verify) per use."""
         return _Inline(body)
 
-    def kept_stage(self, shape, body, dtype=F64) -> Tensor:
+    def kept_stage(self, shape, body, dtype=None) -> Tensor:
         """A stage the default schedule keeps in memory instead of inlining (a value read
         many times over: inlined, it would be recomputed at every read)."""
         tensor = self.stage(shape, body, dtype)
@@ -110,21 +121,21 @@ class _Recurrence:
         return Select(step < n, n - Const(1, INDEX) - step, step)
 
     def x_at(self, t, b, k) -> Expr:
-        return Cast(F64, self.x[(b, t, k) if self.layout else (t, b, k)])
+        return Cast(self.dtype, self.x[(b, t, k) if self.layout else (t, b, k)])
 
     def bias_at(self, d, row, recurrent: bool) -> Expr:
         if self.bias is None:
-            return _c(0.0)
+            return self.c(0.0)
         offset = self.gates * self.hidden if recurrent else 0
-        return Cast(F64, self.bias[(d, row + Const(offset, INDEX))])
+        return Cast(self.dtype, self.bias[(d, row + Const(offset, INDEX))])
 
     def initial(self, index: int, d) -> Tensor:
         given = self.optional(index)
 
         def body(b, j):
             if given is None:
-                return _c(0.0)
-            return Cast(F64, given[(b, d, j) if self.layout else (d, b, j)])
+                return self.c(0.0)
+            return Cast(self.dtype, given[(b, d, j) if self.layout else (d, b, j)])
 
         return self.stage((self.batch, self.hidden), body)
 
@@ -140,7 +151,7 @@ class _Recurrence:
         def make(name, alpha, beta):
             def apply(x):
                 if clip is not None:
-                    x = minimum(maximum(x, _c(-clip)), _c(clip))
+                    x = minimum(maximum(x, self.c(-clip)), self.c(clip))
                 return ACTIVATIONS[name](x, alpha, beta)
 
             return apply
@@ -161,7 +172,7 @@ class _Recurrence:
 
             def body(s, b, row):
                 k = reduce_axis(size, "rk")
-                w = Cast(F64, self.w[(Const(d, INDEX), row, k)])
+                w = Cast(self.dtype, self.w[(Const(d, INDEX), row, k)])
                 return reduce_sum(x_row(s, b, k) * w, k)
 
             plain = self.stage((self.steps, self.batch, columns), body)
@@ -179,7 +190,7 @@ class _Recurrence:
         product = constant_product(
             self.ctx, self.node, lambda i, k: a[(i, k)], rows, panels, width, columns
         )
-        return lambda s, b, row: Cast(F64, product[(s * batch + b, row)])
+        return lambda s, b, row: Cast(self.dtype, product[(s * batch + b, row)])
 
     def recurrent_product(self, d: int, h, first_row: int, rows: int, scale=None) -> Tensor:
         """(h [* scale]) R^T over `rows` gate rows starting at `first_row`: a GEMM stage by
@@ -195,7 +206,9 @@ class _Recurrence:
             def body(b, j):
                 m = reduce_axis(self.hidden, "rm")
                 row = j + Const(first_row, INDEX)
-                return reduce_sum(a_value(b, m) * Cast(F64, self.r[(Const(d, INDEX), row, m)]), m)
+                return reduce_sum(
+                    a_value(b, m) * Cast(self.dtype, self.r[(Const(d, INDEX), row, m)]), m
+                )
 
             return self.stage((self.batch, rows), body)
         weights = self.ctx.constant(r_value)[d, first_row : first_row + rows, :].T
@@ -237,7 +250,7 @@ class _Recurrence:
         """Pre-activation of gate g: projected + recurrent product + both biases."""
         row = j + Const(g * self.hidden, INDEX)
         value = projected(s, b, row) + self.bias_at(Const(d, INDEX), row, False)
-        return value + Cast(F64, hh[(b, row)]) + self.bias_at(Const(d, INDEX), row, True)
+        return value + Cast(self.dtype, hh[(b, row)]) + self.bias_at(Const(d, INDEX), row, True)
 
     def rnn_step(self, d, s, projected, states, acts):
         (h,) = states
@@ -266,7 +279,9 @@ class _Recurrence:
             def candidate_at(b, j):
                 row = j + Const(2 * hidden, INDEX)
                 x_h = projected(s, b, row) + self.bias_at(dd, row, False)
-                return g(x_h + r[(b, j)] * (Cast(F64, hh[(b, row)]) + self.bias_at(dd, row, True)))
+                return g(
+                    x_h + r[(b, j)] * (Cast(self.dtype, hh[(b, row)]) + self.bias_at(dd, row, True))
+                )
 
         else:
             reset_product = self.recurrent_product(d, h, 2 * hidden, hidden, scale=r)
@@ -274,13 +289,15 @@ class _Recurrence:
             def candidate_at(b, j):
                 row = j + Const(2 * hidden, INDEX)
                 x_h = projected(s, b, row) + self.bias_at(dd, row, False)
-                return g(x_h + Cast(F64, reset_product[(b, j)]) + self.bias_at(dd, row, True))
+                return g(
+                    x_h + Cast(self.dtype, reset_product[(b, j)]) + self.bias_at(dd, row, True)
+                )
 
         candidate = self.inline((self.batch, hidden), candidate_at)
         return [
             self.inline(
                 (self.batch, hidden),
-                lambda b, j: (_c(1.0) - z[(b, j)]) * candidate[(b, j)] + z[(b, j)] * h[(b, j)],
+                lambda b, j: (self.c(1.0) - z[(b, j)]) * candidate[(b, j)] + z[(b, j)] * h[(b, j)],
             )
         ]
 
@@ -292,9 +309,9 @@ class _Recurrence:
 
         def peephole(k, b, j, cell_value):
             if self.peepholes is None:
-                return _c(0.0)
+                return self.c(0.0)
             return (
-                Cast(F64, self.peepholes[(Const(d, INDEX), j + Const(k * hidden, INDEX))])
+                Cast(self.dtype, self.peepholes[(Const(d, INDEX), j + Const(k * hidden, INDEX))])
                 * cell_value
             )
 
@@ -304,7 +321,7 @@ class _Recurrence:
         def new_cell(b, j):
             i = input_gate(b, j)
             if self.node.attr("input_forget", 0):
-                forget = _c(1.0) - i
+                forget = self.c(1.0) - i
             else:
                 forget = f(self.gate(d, s, projected, hh, 2, b, j) + peephole(2, b, j, c[(b, j)]))
             return forget * c[(b, j)] + i * g(self.gate(d, s, projected, hh, 3, b, j))
@@ -340,14 +357,14 @@ def _recurrent(ctx: KernelContext, node: Node):
             step = rec.time_of(t, b, reverse_only or k == 1)
             return runs[k][0][(step, b, j)]
 
-        return Cast(dtype, Select(t < rec.length(b), by_direction(d, at), _c(0.0)))
+        return Cast(dtype, Select(t < rec.length(b), by_direction(d, at), rec.c(0.0)))
 
     def final_body(state_index):
         def body(*i):
             d, b, j = (i[1], i[0], i[2]) if rec.layout else i
             # An entry keeps its state past its length: the last row is its final state.
             value = by_direction(d, lambda k: runs[k][state_index][(last, b, j)])
-            return Cast(dtype, Select(Const(0, INDEX) < rec.length(b), value, _c(0.0)))
+            return Cast(dtype, Select(Const(0, INDEX) < rec.length(b), value, rec.c(0.0)))
 
         return body
 

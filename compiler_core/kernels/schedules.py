@@ -800,7 +800,30 @@ def schedule_for(
             records += unblock_schedule(stage, stage.note("unblock"))
         else:
             records += generic_schedule(stage, target)
-    return records
+    return _serial_small_step_stages(records, stages)
+
+
+# Work (multiply-adds or elements) below which a stage inside a recurrence's step runs on one
+# thread: it runs once per step, and a parallel region's fork and join (a few microseconds)
+# would cost more than the stage itself, hundreds of times over.
+STEP_PARALLEL_MIN_WORK = 1 << 16
+
+
+def _serial_small_step_stages(records: list[Record], stages: list[StageInfo]) -> list[Record]:
+    small = {
+        s.name
+        for s in stages
+        if s.note("in_step")
+        and math.prod(s.shape) * math.prod(e for _, e in s.reduce_axes) < STEP_PARALLEL_MIN_WORK
+    }
+    if not small:
+        return records
+    names = sorted((s.name for s in stages), key=len, reverse=True)
+
+    def owner(loop: str) -> str | None:  # loops are named after their stage
+        return next((n for n in names if loop.startswith(n + "_")), None)
+
+    return [r for r in records if not (isinstance(r, Parallel) and owner(r.loop) in small)]
 
 
 def _parallel_rows(stage: StageInfo, rows: int) -> list[Record]:

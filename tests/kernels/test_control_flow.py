@@ -304,3 +304,23 @@ def test_if_whose_branches_differ_in_shape_needs_the_condition_at_compile_time()
     assert info.value.value == "c"
     graph = optimize(import_model(if_model(else_shape=(6,)), constants={"c": np.array(False)}))
     assert graph.types["y"].shape == (6,)
+
+
+def test_a_small_step_runs_on_one_thread_and_a_large_one_in_parallel():
+    """A step's stages run once per step: below STEP_PARALLEL_MIN_WORK a parallel region's
+    fork and join would cost more than the stage, so they stay serial; a large product in a
+    step keeps its parallel loop."""
+    from compiler_core.kernels.schedules import STEP_PARALLEL_MIN_WORK
+    from compiler_core.schedule.primitives import Parallel
+
+    def parallel_step_stages(hidden):
+        graph = optimize(import_model(rnn_scan_model(4, size=8, hidden=hidden)))
+        (kernel,) = build_kernels(graph, parse_target("llvm"))
+        in_step = {s.name for s in kernel.stages if s.note("in_step")}
+        assert in_step
+        loops = [r.loop for r in kernel.schedule if isinstance(r, Parallel)]
+        return {n for n in in_step if any(loop.startswith(n + "_") for loop in loops)}
+
+    assert 16 * 16 < STEP_PARALLEL_MIN_WORK < 512 * 512
+    assert parallel_step_stages(16) == set()
+    assert parallel_step_stages(512)  # the 512x512 recurrent product
