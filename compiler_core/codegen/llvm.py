@@ -378,7 +378,10 @@ class FunctionEmitter:
             raise CodegenError(f"buffer {buffer.name!r} is not in scope")
         element = memory_type(buffer.dtype)
         if scope.lanes == 1 or not self._depends_on(flat, scope.vector_var):
-            return "scalar", b.gep(base, [self._expr(b, scope, flat)], source_etype=element)
+            # Evaluated as a scalar: a load inside the index (a length read from memory, say)
+            # would otherwise come back splat across the lanes and make the address a vector.
+            scalar = dataclasses.replace(scope, lanes=1, vector_var=None, mask=None)
+            return "scalar", b.gep(base, [self._expr(b, scalar, flat)], source_etype=element)
         if _lane_stride(flat, scope.vector_var) == 1:
             lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
             lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)

@@ -186,7 +186,7 @@ class _Recurrence:
             s, b = Binary("floordiv", i, batch), Binary("mod", i, batch)
             return Cast(F32, x_row(s, b, k))
 
-        a = self.kept_stage((rows, size), a_row, dtype=F32)
+        a = self.stage((rows, size), a_row, dtype=F32)
         product = constant_product(
             self.ctx, self.node, lambda i, k: a[(i, k)], rows, panels, width, columns
         )

@@ -119,6 +119,9 @@ def elementwise_kernels():
         "floordiv": lambda i, j: Cast(
             "float32", Binary("floordiv", n[i, j], Const(3, "int64")) + n[i, j] % 5
         ),
+        # An address that is the same in every lane but reads memory (a sequence length):
+        # it must stay one scalar address, not a vector of splat ones.
+        "lane_invariant_indirect": lambda i, j: x[n[i, 0] % 4, i] + x[i, j],
     }
     funcs = []
     for name, body in kernels.items():
