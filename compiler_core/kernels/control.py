@@ -18,6 +18,7 @@ from compiler_core.graph.ops.control import body_of, scan_output_types
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select
 from compiler_core.te import Tensor, compute, recurrence
+from compiler_core.te.tensor import NestedRecurrenceError
 
 
 class BodyContext(KernelContext):
@@ -191,7 +192,10 @@ class _Loop:
                     updates.append(lambda *i, o=out: o[i])
             return updates
 
-        rows = recurrence(self.steps, inputs + zeros, step, self.label)
+        try:
+            rows = recurrence(self.steps, inputs + zeros, step, self.label)
+        except NestedRecurrenceError as err:
+            raise KernelError(f"node {self.node.name!r}: {err}") from None
         return self.outputs(rows, scan_types)
 
     def outputs(self, rows: list[Tensor], scan_types) -> list[Tensor]:

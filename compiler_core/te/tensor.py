@@ -184,6 +184,13 @@ class Previous:
         return Select(first, self.init[indices], self.state[(row, *indices)])
 
 
+class NestedRecurrenceError(ValueError):
+    """A recurrence declared inside another's step: one loop level is what lowering knows."""
+
+
+_open_steps: list[str] = []  # the recurrences whose step is being declared, outermost first
+
+
 def recurrence(
     steps: int,
     inits: Sequence[Tensor],
@@ -205,7 +212,16 @@ def recurrence(
         for k, init in enumerate(inits)
     )
     previous = [Previous(s, i, op.time) for s, i in zip(op.states, op.inits, strict=True)]
-    bodies = list(step(op.time, previous))
+    if _open_steps:
+        raise NestedRecurrenceError(
+            f"recurrence {name!r} is declared inside the step of {_open_steps[-1]!r}; nested "
+            "recurrences are not supported"
+        )
+    _open_steps.append(name)
+    try:
+        bodies = list(step(op.time, previous))
+    finally:
+        _open_steps.pop()
     if len(bodies) != len(op.states):
         raise ValueError(f"recurrence {name!r}: {len(bodies)} updates for {len(op.states)} states")
     op.updates = tuple(

@@ -324,3 +324,30 @@ def test_a_small_step_runs_on_one_thread_and_a_large_one_in_parallel():
     assert 16 * 16 < STEP_PARALLEL_MIN_WORK < 512 * 512
     assert parallel_step_stages(16) == set()
     assert parallel_step_stages(512)  # the 512x512 recurrent product
+
+
+def test_a_scan_inside_a_scan_body_runs_on_the_reference_and_is_refused_natively():
+    from compiler_core.kernels import KernelError
+
+    inner = helper.make_graph(
+        [helper.make_node("Add", ["a_in", "v"], ["a_out"])],
+        "inner",
+        [value_info("a_in", FLOAT, [2]), value_info("v", FLOAT, [2])],
+        [value_info("a_out", FLOAT, [2])],
+    )
+    outer = helper.make_graph(
+        [
+            helper.make_node("Scan", ["s_in", "row"], ["s_out"], body=inner, num_scan_inputs=1),
+        ],
+        "outer",
+        [value_info("s_in", FLOAT, [2]), value_info("row", FLOAT, [3, 2])],
+        [value_info("s_out", FLOAT, [2])],
+    )
+    node = helper.make_node("Scan", ["s0", "x"], ["s"], body=outer, num_scan_inputs=1)
+    model = make_model([node], [("s0", FLOAT, [2]), ("x", FLOAT, [4, 3, 2])], [("s", FLOAT, [2])])
+    x = np.arange(24, dtype=np.float32).reshape(4, 3, 2)
+    graph = optimize(import_model(model))
+    result = run_graph(graph, {"s0": np.zeros(2, np.float32), "x": x})
+    np.testing.assert_allclose(result["s"], x.sum(axis=(0, 1)))
+    with pytest.raises(KernelError, match="nested recurrences are not supported"):
+        compile_graph(graph, parse_target("llvm"))
