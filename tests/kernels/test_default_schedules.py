@@ -282,3 +282,19 @@ def test_anchor_groups_get_their_tiled_schedules():
     kinds = [type(r).__name__ for r in kernel.schedule]
     assert {"CacheWrite", "Vectorize", "ReverseComputeInline", "Parallel"} <= set(kinds)
     assert TensorProto.FLOAT == FLOAT
+
+
+@pytest.mark.parametrize(
+    ("width", "tile"),
+    [(56, (4, 2)), (28, (4, 2)), (14, (7, 1)), (7, (7, 1))],
+)
+def test_the_default_conv_tile_has_the_most_accumulators(width, tile):
+    """AVX2, 8-channel blocks, 32 output blocks: two blocks per tile when that holds as many
+    accumulators as one; a 14-pixel row takes 7 pixels x 1 block, not 2 x 2."""
+    import dataclasses
+
+    from compiler_core.kernels.schedules import nchwc_default_tile
+
+    target = dataclasses.replace(host_target(), features="+avx2,+fma")
+    assert (target.vector_lanes, target.vector_registers) == (8, 16)
+    assert nchwc_default_tile(width, 8, False, 32, target) == tile
