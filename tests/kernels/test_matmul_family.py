@@ -231,3 +231,13 @@ def test_a_batched_b_stays_a_batched_matmul():
     (matmul,) = [n for n in import_model(model).nodes if n.op == "MatMul"]
     assert len(matmul.inputs) == 2 and matmul.outputs == ("y",)
     check(model, {"a": w(4, 3, 8)})
+
+
+def test_a_few_columns_are_one_panel_of_whole_vectors():
+    """N = 10 on 8 lanes: one panel of 16 zero-padded columns (two whole vectors, cropped by
+    the epilogue), not a 10-lane vector; N = 3 one vector; a multiple of two vectors or a wide
+    N keeps two-vector panels."""
+    from compiler_core.kernels.nn import panel_width
+
+    assert [panel_width(n, 8) for n in (10, 3, 24, 32, 40, 1000)] == [16, 8, 24, 16, 16, 16]
+    assert panel_width(10, 16) == 16
