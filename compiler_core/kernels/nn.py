@@ -573,12 +573,16 @@ def _pool(kind: str) -> Builder:
 
 
 def _note_plain_pool(ctx: KernelContext, pool: Tensor, padded: Tensor, x: Tensor, strides):
-    """Mark a 2-d pool over plain NCHW for `plain_pool_schedule` (the blocked NCHW[b]c layout
-    has its own): which stage pads its input, if any. Only with unit stride along the width,
+    """Mark a pool over the blocked NC[D][H]W[b]c layout for `blocked_pool_schedule`, or a 2-d
+    pool over plain NCHW for `plain_pool_schedule`, with the stage that pads its input, if
+    any. A plain pool only with unit stride along the width,
     where a row of window taps is one contiguous vector load (with stride 2 the lanes would be
     gathered one by one: three times slower than scalar code)."""
-    if len(strides) == 2 and len(x.shape) == 4 and strides[1] == 1:
-        ctx.note(pool.name, pool="plain", padded="" if padded is x else padded.name)
+    padded_name = "" if padded is x else padded.name
+    if len(x.shape) == len(strides) + 3:  # NC[D][H]W[b]c: the block is the vector
+        ctx.note(pool.name, pool="blocked", padded=padded_name)
+    elif len(strides) == 2 and len(x.shape) == 4 and strides[1] == 1:
+        ctx.note(pool.name, pool="plain", padded=padded_name)
 
 
 def _argmax_indices(ctx, node, in_shape, peak, padded, kernel) -> Tensor:

@@ -564,6 +564,40 @@ def plain_pool_schedule(
     return [*records, Parallel(c)]
 
 
+# Output pixels of a blocked pool's register tile: each holds one vector of its block.
+BLOCKED_POOL_TILE = 8
+
+
+def blocked_pool_schedule(
+    pool: StageInfo, epilogue: StageInfo | None, target: Target
+) -> list[Record]:
+    """Pooling over NC[D][H]W[b]c, the block one vector: a tile of output pixels along the
+    row accumulates one vector each over the whole window (every tap one vector operation per
+    pixel), the epilogue runs on it before the single store; the padded input is made one
+    channel block at a time, while it stays in cache; parallel over channel blocks x rows."""
+    rank = len(pool.shape)
+    n, cb, lanes = pool.loop(0), pool.loop(1), pool.loop(rank - 1)
+    rows = [pool.loop(k) for k in range(2, rank - 2)]
+    x = pool.loop(rank - 2)
+    taps = [name for name, _ in pool.reduce_axes]
+    tile = _largest_divisor(pool.shape[rank - 2], tuple(range(BLOCKED_POOL_TILE, 1, -1)))
+    records: list[Record] = []
+    padded = pool.note("padded")
+    if padded:  # its block axis, vectorized too (ComputeAt names the loops it moves `_at`)
+        records += [ComputeAt(padded, cb), Vectorize(f"{padded}_i{rank - 1}_at")]
+    records += [
+        Split(x, tile),
+        Reorder((*rows, f"{x}_o", *taps, f"{x}_i", lanes)),
+        CacheWrite(pool.name, taps[0]),
+        Vectorize(lanes),
+        Unroll(f"{x}_i"),
+        *_vector_tile_io(pool),
+    ]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    return [*records, Parallel(cb)]
+
+
 def _output_row_tile(width: int, target: Target) -> int:
     """Output elements along a row held as accumulators over a whole reduction: the whole row
     when it fits the registers (a vector of any length: LLVM splits it into registers and one
@@ -785,6 +819,9 @@ def schedule_for(
             epilogue = None  # it also reads another stage: not a single-store epilogue
         if stage.note("pool") == "plain":
             records += plain_pool_schedule(stage, epilogue, target)
+            handled |= {stage.name, stage.note("padded")}
+        elif stage.note("pool") == "blocked" and stage.shape[-1] == target.vector_lanes:
+            records += blocked_pool_schedule(stage, epilogue, target)
             handled |= {stage.name, stage.note("padded")}
         elif stage.note("vector_inner") and stage.shape[-1] > 1:
             records += inner_vector_reduction_schedule(stage, epilogue, target)
