@@ -574,9 +574,9 @@ def blocked_pool_schedule(
     """Pooling over NC[D][H]W[b]c, the block one vector: a tile of output pixels along the
     row accumulates one vector each over the whole window (every tap one vector operation per
     pixel), the epilogue runs on it before the single store; the padded input is made one
-    channel block at a time, while it stays in cache; parallel over channel blocks x rows."""
+    channel block at a time, while it stays in cache; parallel over channel blocks."""
     rank = len(pool.shape)
-    n, cb, lanes = pool.loop(0), pool.loop(1), pool.loop(rank - 1)
+    cb, lanes = pool.loop(1), pool.loop(rank - 1)
     rows = [pool.loop(k) for k in range(2, rank - 2)]
     x = pool.loop(rank - 2)
     taps = [name for name, _ in pool.reduce_axes]
