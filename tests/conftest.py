@@ -73,3 +73,15 @@ def make_model(nodes, inputs, outputs, initializers=(), opset=17, name="test"):
 
 FLOAT = TensorProto.FLOAT
 INT64 = TensorProto.INT64
+
+
+def loop_structure(func) -> tuple[int, list[int]]:
+    """(stores, extents of the time loops) of a kernel: a recurrence compiled as one loop has
+    the stores of one step whatever the number of steps, and one time loop of that extent."""
+    from compiler_core.loop.ir import For, Store
+    from compiler_core.loop.transform import walk_stmts
+
+    statements = list(walk_stmts(func.body))
+    stores = sum(isinstance(s, Store) for s in statements)
+    loops = [s.extent for s in statements if isinstance(s, For) and s.var.name.endswith("_t")]
+    return stores, loops

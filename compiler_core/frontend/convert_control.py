@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -365,8 +366,10 @@ def convert_scan(ctx: ImportContext, node: onnx.NodeProto, attrs: Attrs) -> None
     state_types = [ctx.type(v) for v in inputs[:states]]
     graph, captured = _native_body(ctx, body, state_types + slice_types, where)
     out_ranks = [graph.types[v].rank + 1 for v in graph.outputs[states:]]
-    out_axes = _axes(attrs.get("scan_output_axes"), out_ranks)
-    _emit_scan(ctx, node, (graph, captured), steps, states, in_axes, in_dirs, out_axes, out_dirs)
+    layout = _ScanLayout(
+        in_axes, in_dirs, _axes(attrs.get("scan_output_axes"), out_ranks), out_dirs
+    )
+    _emit_scan(ctx, inputs, list(node.output), graph, captured, steps, states, layout)
 
 
 def _native_body(ctx, body, input_types, where) -> tuple[Graph, list[str]]:
@@ -380,29 +383,38 @@ def _native_body(ctx, body, input_types, where) -> tuple[Graph, list[str]]:
     return graph, captured
 
 
-def _emit_scan(ctx, node, body_and_captured, steps, states, in_axes, in_dirs, out_axes, out_dirs):
-    graph, captured = body_and_captured
-    inputs = list(node.input)
+@dataclasses.dataclass(frozen=True)
+class _ScanLayout:
+    """Which axis each scanned input and scan output steps along, and in which direction."""
+
+    in_axes: tuple[int, ...]
+    in_dirs: tuple[int, ...]
+    out_axes: tuple[int, ...]
+    out_dirs: tuple[int, ...]
+
+
+def _emit_scan(ctx, inputs, outputs, graph, captured, steps, states, layout: _ScanLayout):
     if steps == 0:
-        _bind_outputs(ctx, node.output[:states], inputs[:states], f"node {node.name!r}")
-        scans = zip(node.output[states:], graph.outputs[states:], out_axes, strict=True)
+        _bind_outputs(ctx, outputs[:states], inputs[:states], "an empty scan")
+        scans = zip(outputs[states:], graph.outputs[states:], layout.out_axes, strict=True)
         for output, value, axis in scans:
-            typ = graph.types[value]
-            empty = np.zeros((*typ.shape[:axis], 0, *typ.shape[axis:]), typ.dtype)
-            ctx.add_constant(empty, name=output)
+            if output:
+                typ = graph.types[value]
+                empty = np.zeros((*typ.shape[:axis], 0, *typ.shape[axis:]), typ.dtype)
+                ctx.add_constant(empty, name=output)
         return
     ctx.emit(
         "Loop",
         [*inputs, *captured],
-        list(node.output),
+        list(outputs),
         body=graph,
         steps=steps,
         num_states=states,
         num_scan_inputs=len(inputs) - states,
-        scan_input_axes=tuple(in_axes),
-        scan_input_directions=in_dirs,
-        scan_output_axes=tuple(out_axes),
-        scan_output_directions=out_dirs,
+        scan_input_axes=tuple(layout.in_axes),
+        scan_input_directions=tuple(layout.in_dirs),
+        scan_output_axes=tuple(layout.out_axes),
+        scan_output_directions=tuple(layout.out_dirs),
         iteration_input=0,
         guarded=0,
     )
@@ -434,32 +446,18 @@ def convert_scan_8(ctx: ImportContext, node: onnx.NodeProto, attrs: Attrs) -> No
         lengths = np.asarray(ctx.value(lengths_value, "sequence_lens"))
         if np.any(lengths != steps):
             raise UnsupportedError(f"{where}: sequence_lens shorter than the sequence")
+    # Every batch entry's slices have the same types: one body serves them all.
+    entry_types = [TensorType(ctx.type(v).shape[1:], ctx.type(v).dtype) for v in inputs]
+    slice_types = [TensorType(t.shape[1:], t.dtype) for t in entry_types[states:]]
+    graph, captured = _native_body(ctx, body, entry_types[:states] + slice_types, where)
+    scans = len(node.output) - states
+    layout = _ScanLayout((0,) * scanned, in_dirs, (0,) * scans, (0,) * scans)
     per_entry: list[list[str]] = [[] for _ in node.output]
     for b in range(batch):
         index = ctx.add_constant(np.array(b, dtype=np.int64), prefix="batch")
         entry = [ctx.emit("Gather", [v, index], 1, axis=0) for v in inputs]
-        types = [ctx.type(v) for v in entry]
-        slice_types = [TensorType(t.shape[1:], t.dtype) for t in types[states:]]
-        graph, captured = _native_body(ctx, body, types[:states] + slice_types, where)
         outs = [ctx.fresh(f"{o or 'unused'}_b{b}") for o in node.output]
-        entry_node = onnx.NodeProto()
-        entry_node.CopyFrom(node)
-        del entry_node.input[:]
-        entry_node.input.extend(entry)
-        del entry_node.output[:]
-        entry_node.output.extend(outs)
-        scans = len(node.output) - states
-        _emit_scan(
-            ctx,
-            entry_node,
-            (graph, captured),
-            steps,
-            states,
-            (0,) * scanned,
-            in_dirs,
-            (0,) * scans,
-            (0,) * scans,
-        )
+        _emit_scan(ctx, entry, outs, graph, captured, steps, states, layout)
         for k, value in enumerate(outs):
             per_entry[k].append(emit_reshape(ctx, value, (1, *ctx.type(value).shape)))
     for output, values in zip(node.output, per_entry, strict=True):

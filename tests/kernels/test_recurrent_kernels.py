@@ -13,7 +13,7 @@ from compiler_core.passes.pipeline import optimize
 from compiler_core.reference import run_graph
 from compiler_core.runtime import load
 from compiler_core.target import parse_target
-from tests.conftest import FLOAT, make_model
+from tests.conftest import FLOAT, loop_structure, make_model
 
 INT32 = TensorProto.INT32
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
@@ -152,8 +152,6 @@ def test_a_512_step_lstm_is_one_loop_and_matches_onnxruntime():
     import onnxruntime as ort
 
     from compiler_core.build import build_kernels
-    from compiler_core.loop.ir import For, Store
-    from compiler_core.loop.transform import walk_stmts
 
     stores, time_loops = {}, {}
     for steps in (4, 512):
@@ -162,10 +160,7 @@ def test_a_512_step_lstm_is_one_loop_and_matches_onnxruntime():
         )
         graph = optimize(import_model(model))
         (kernel,) = build_kernels(graph, parse_target("llvm"))
-        statements = list(walk_stmts(kernel.func.body))
-        stores[steps] = sum(isinstance(s, Store) for s in statements)
-        time_loops[steps] = [s.extent for s in statements if isinstance(s, For) and
-                             s.var.name.endswith("_t")]  # fmt: skip
+        stores[steps], time_loops[steps] = loop_structure(kernel.func)
     assert stores[4] == stores[512]
     assert time_loops == {4: [4], 512: [512]}
     feeds = random_feeds(512, 1, 32, 48, 1)
