@@ -8,7 +8,7 @@ import numpy as np
 
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.image import axis_weights
-from compiler_core.graph.ops.layout import block_of
+from compiler_core.graph.ops.layout import plain_shape, transform_blocks
 from compiler_core.graph.ops.tensor import slice_objects
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.loop.ir import (
@@ -707,19 +707,31 @@ KERNELS["GatherND"] = _gather_nd
 
 
 def _layout_transform(ctx: KernelContext, node: Node):
-    """NCHW <-> NCHW[b]c (or between two block sizes) as one index mapping."""
+    """NCHW <-> NCHW[b]c (or between two block sizes) as one index mapping; the padding lanes
+    of a blocked result whose channels do not fill its last block are zero."""
     x = ctx.tensor(node.inputs[0])
     out = ctx.type(node.outputs[0])
-    source, target = block_of(node.attr("src_layout")), block_of(node.attr("dst_layout"))
+    source, target, channels = transform_blocks(node)
+    plain_channels = plain_shape(x.shape, source, channels)[1]
 
-    def body(*i):
-        n, spatial = i[0], i[2 : len(i) - (1 if target else 0)]
-        channel = i[1] * Const(target, INDEX) + i[-1] if target else i[1]
+    def read(n, channel, spatial):
         if not source:
             return x[(n, channel, *spatial)]
         outer = Binary("floordiv", channel, Const(source, INDEX))
         inner = Binary("mod", channel, Const(source, INDEX))
         return x[(n, outer, *spatial, inner)]
+
+    def body(*i):
+        n, spatial = i[0], i[2 : len(i) - (1 if target else 0)]
+        if not target:
+            return read(n, i[1], spatial)
+        channel = i[1] * Const(target, INDEX) + i[-1]
+        if out.shape[1] * target == plain_channels:
+            return read(n, channel, spatial)
+        last = Const(plain_channels - 1, INDEX)
+        value = read(n, Binary("min", channel, last), spatial)
+        inside = Binary("lt", channel, Const(plain_channels, INDEX))
+        return Select(inside, value, Const(0.0, out.dtype))
 
     result = compute(out.shape, body, ctx.stage_name(node))
     if source and not target:

@@ -157,11 +157,13 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
     x = ctx.tensor(node.inputs[0])
     weights = ctx.constant(node.inputs[1])
     out = ctx.type(node.outputs[0])
-    m, cg, *kernel = weights.shape
+    real_m, real_cg, *kernel = weights.shape
     nsp, group = len(kernel), node.attr("group", 1)
-    depthwise = group > 1 and cg == 1 and m == group
+    depthwise = group > 1 and real_cg == 1 and real_m == group
     if group > 1 and not depthwise and data_block != block:
         raise KernelError(f"node {node.name!r}: a grouped blocked conv reads data in its block")
+    weights = _padded_filters(weights, out.shape[1] * block, x.shape[1], data_block, group)
+    m, cg = weights.shape[:2]
     pads, strides, dilations = spatial_params(node, nsp)
     width = out.shape[-2]
     row = nchwc_row_width(width, block, depthwise, m // block, ctx.target)
@@ -219,14 +221,30 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         return [conv]
     bias = None
     if has_bias:
-        values = ctx.constant(node.inputs[2]).reshape(m // block, block)
-        bias = ctx.packed(node.inputs[2], f"bias{block}", values)
+        values = np.zeros(m, out.dtype)  # padding lanes: zero bias, as zero filters
+        values[:real_m] = ctx.constant(node.inputs[2])
+        bias = ctx.packed(node.inputs[2], f"bias{block}", values.reshape(m // block, block))
 
     def result(n, mo, *rest):
         value = conv[(n, mo, *rest)]
         return value + bias[(mo, rest[-1])] if bias is not None else value
 
     return [compute(out.shape, result, ctx.stage_name(node))]
+
+
+def _padded_filters(weights, out_channels: int, in_blocks: int, data_block: int, group: int):
+    """A blocked conv's filters with zeros up to whole blocks: filters for the padding lanes
+    of its output (`out_channels` in all) and, for an ungrouped conv of blocked data, weights
+    for the padding lanes of its input (`in_blocks` blocks), which thus contribute nothing."""
+    m, cg, *kernel = weights.shape
+    in_channels = in_blocks * data_block if data_block and group == 1 else cg
+    if (m, cg) == (out_channels, in_channels):
+        return weights
+    if group > 1 and m != group:
+        raise KernelError(f"a grouped conv of {m} filters in {group} groups has no padded form")
+    padded = np.zeros((out_channels, in_channels, *kernel), weights.dtype)
+    padded[:m, :cg] = weights
+    return padded
 
 
 def panel_width(columns: int, lanes: int) -> int:

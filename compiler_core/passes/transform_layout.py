@@ -9,22 +9,38 @@ Clip, a residual Add, MaxPool...) and inserts a `LayoutTransform` only where a c
 plain data: at the edges of a chain. 1-D (NCW[b]c), 2-D (NCHW[b]c) and 3-D (NCDHW[b]c)
 convolutions are all blocked the same way.
 
-Eligible: float32 1-D, 2-D or 3-D Conv with a constant weight, output channels a multiple of
-8, and no groups, a depthwise grouping (one input and one output channel per group), or
-groups whose input and output channels per group are multiples of the block. The block is one
-vector register of float32 where the channels allow, else 8. A plain conv reads its data in
-whatever block its producer wrote; a grouped one reads it in its own block, so that every
-input block belongs to one group.
+Eligible: float32 1-D, 2-D or 3-D Conv with a constant weight and no groups or a depthwise
+grouping (one input and one output channel per group), with at least 8 output channels: when
+they do not fill whole blocks (ShuffleNet's 58, the 230 of R(2+1)D's mid planes) the last block
+is padded (see `graph/ops/layout.py`), so that an odd channel count never leaves the fast
+path; or a conv whose groups' input and output channels are multiples of the block. The block
+is the one of a vector register of float32 or 8 lanes, whichever pads least (the larger on a
+tie). A plain conv reads its data in whatever block its producer wrote; a grouped one reads it
+in its own block, so that every input block belongs to one group.
+
+Padded values go only through ops that keep their padding lanes finite (`PADDING_SAFE`: the
+lanes are read with zero weights, and 0 * inf would not be zero); a Concat joins only whole
+blocks.
 """
 
 from __future__ import annotations
 
 from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
-from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout
+from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout, blocks_for
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
+MIN_BLOCKED_CHANNELS = 8
+# Elementwise ops that map finite padding lanes to finite values (no division, logarithm or
+# exponential growth), so that a padded blocked value may pass through them.
+PADDING_SAFE = frozenset(
+    {
+        "Identity", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "Erf", "Gelu",
+        "HardSigmoid", "HardSwish", "Neg", "Abs", "Elu", "Celu", "Selu", "Mish", "Swish",
+        "ThresholdedRelu", "Shrink", "Softsign", "Add", "Sub", "Mul", "Mean",
+    }
+)  # fmt: skip
 
 
 def block_sizes(lanes: int) -> tuple[int, ...]:
@@ -69,12 +85,16 @@ class _Rewriter:
     def _transform(self, source: str, from_block: int, to_block: int, value: str, output=None):
         target = self._layout(value, to_block)
         output = output or self.fresh.unique(f"{value}_{target.lower()}")
+        attrs = {"src_layout": self._layout(value, from_block), "dst_layout": target}
+        channels = self.graph.types[value].shape[1]
+        if any(block and channels % block for block in (from_block, to_block)):
+            attrs["channels"] = channels  # the blocked side is padded
         node = Node(
             "LayoutTransform",
             self.fresh.unique(f"{value}_to_{target.lower()}"),
             (source,),
             (output,),
-            {"src_layout": self._layout(value, from_block), "dst_layout": target},
+            attrs,
         )
         self._emit(node)
         return output
@@ -148,7 +168,9 @@ class _Rewriter:
         if len(shape) - 2 not in SPATIAL or not same_shape:
             return 0
         block = next((self._block_available(v) for v in data if v in self.blocked), 0)
-        return block if block and shape[1] % block == 0 else 0
+        if block and shape[1] % block and node.op not in PADDING_SAFE:
+            return 0
+        return block
 
     def _pool_block(self, node: Node) -> int:
         """Max and average pooling over the spatial axes run in the block of their blocked input
@@ -187,7 +209,10 @@ def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
         return 0
     group, out_channels = node.attr("group", 1), w.shape[0]
     if group == 1 or group == x.shape[1] == out_channels:
-        return next((b for b in blocks if out_channels % b == 0), 0)
+        if out_channels < MIN_BLOCKED_CHANNELS:
+            return 0
+        # The least padding; the larger block on a tie (`blocks` runs largest first).
+        return min(blocks, key=lambda b: blocks_for(out_channels, b) * b)
     # Grouped: every channel block lies inside one group, on the input side and the output.
     in_per_group, out_per_group = w.shape[1], out_channels // group
     return next((b for b in blocks if in_per_group % b == 0 and out_per_group % b == 0), 0)

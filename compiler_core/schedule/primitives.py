@@ -315,12 +315,29 @@ def _perfect_chain(top: For) -> list[For]:
     return chain
 
 
+def _guarded_chain(top: For) -> tuple[list[For], list[IfThenElse]]:
+    """The loops of a nest that is perfect but for guards without an else between its loops
+    (a split of a loop that its factor does not divide leaves one), and those guards."""
+    chain, guards = [top], []
+    while True:
+        body = chain[-1].body
+        while isinstance(body, IfThenElse) and body.otherwise is None:
+            guards.append(body)
+            body = body.then
+        if not isinstance(body, For):
+            return chain, guards
+        chain.append(body)
+
+
 def reorder(func: PrimFunc, r: Reorder) -> PrimFunc:
+    """Permute loops of one nest. Guards between them move innermost, around the body: a
+    guard's condition holds or fails for a whole iteration of the loops inside it, so testing
+    it once per innermost iteration computes the same."""
     loops = [_loop(func, name, r) for name in r.loops]
     if len(set(r.loops)) != len(r.loops):
         raise ScheduleError(f"{r}: a loop is named twice")
-    chains = [(_perfect_chain(loop), loop) for loop in loops]
-    top_chain = max(chains, key=lambda c: len(c[0]))[0]
+    chains = [_guarded_chain(loop) for loop in loops]
+    top_chain, guards = max(chains, key=lambda c: len(c[0]))
     names = [loop.var.name for loop in top_chain]
     if not set(r.loops) <= set(names):
         raise ScheduleError(f"{r}: the loops are not one perfect nest (nest: {names})")
@@ -330,6 +347,10 @@ def reorder(func: PrimFunc, r: Reorder) -> PrimFunc:
     for slot, name in zip(slots, r.loops, strict=True):
         order[slot] = by_name[name]
     body: Stmt = top_chain[-1].body
+    while isinstance(body, IfThenElse) and body.otherwise is None and body in guards:
+        body = body.then
+    for guard in reversed(guards):
+        body = IfThenElse(guard.cond, body)
     for loop in reversed(order):
         body = For(loop.var, loop.extent, body, loop.kind, loop.binding)
     return _with_body(func, replace_stmt(func.body, top_chain[0], body))

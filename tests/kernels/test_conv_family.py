@@ -11,7 +11,11 @@ import pytest
 from onnx import helper
 
 import compiler_core
+from compiler_core.compiler import compile_graph
 from compiler_core.frontend.onnx import import_model
+from compiler_core.graph.ir import Graph, Node, TensorType
+from compiler_core.graph.ops.layout import to_blocked, to_plain
+from compiler_core.passes import fuse_operators
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import host_target
@@ -151,7 +155,7 @@ def test_blocked_conv_matches_onnxruntime(name):
     assert_close_to_scale(actual, ort_output(model, feeds), label=name)
 
 
-# --- channel counts no block divides: the plain conv pads its filters to whole blocks ----------
+# --- channel counts no block divides: blocked convs with a padded last block -------------------
 
 
 def plain_chain():
@@ -179,9 +183,46 @@ PLAIN_CASES = {
 }
 
 
+def shuffle_unit():
+    """A ShuffleNetV2 unit at 58 channels: Split -> (1x1, depthwise 3x3, 1x1) on one half ->
+    Concat -> channel shuffle (Reshape, Transpose, Reshape)."""
+    return make_model(
+        [
+            helper.make_node("Split", ["x", "halves"], ["x1", "x2"], name="split", axis=1),
+            helper.make_node("Conv", ["x2", "w1", "b1"], ["a"], name="c1"),
+            helper.make_node("Relu", ["a"], ["r"], name="relu1"),
+            helper.make_node("Conv", ["r", "w2"], ["b"], name="dw", pads=[1] * 4, group=58),
+            helper.make_node("Conv", ["b", "w3", "b3"], ["c"], name="c3"),
+            helper.make_node("Relu", ["c"], ["s"], name="relu3"),
+            helper.make_node("Concat", ["x1", "s"], ["joined"], name="concat", axis=1),
+            helper.make_node("Reshape", ["joined", "grouped"], ["g"], name="group"),
+            helper.make_node("Transpose", ["g"], ["t"], name="swap", perm=[0, 2, 1, 3, 4]),
+            helper.make_node("Reshape", ["t", "flat"], ["y"], name="shuffle"),
+        ],
+        [("x", FLOAT, [1, 116, 9, 9])],
+        [("y", FLOAT, [1, 116, 9, 9])],
+        {
+            "halves": np.array([58, 58], np.int64),
+            "w1": rand(58, 58, 1, 1, scale=0.2),
+            "b1": rand(58),
+            "w2": rand(58, 1, 3, 3, scale=0.3),
+            "w3": rand(58, 58, 1, 1, scale=0.2),
+            "b3": rand(58),
+            "grouped": np.array([1, 2, 58, 9, 9], np.int64),
+            "flat": np.array([1, 116, 9, 9], np.int64),
+        },
+    )
+
+
+PLAIN_CASES["shuffle_unit"] = shuffle_unit
+
+
 @pytest.mark.parametrize("name", list(PLAIN_CASES))
 def test_odd_channel_counts_get_vector_blocks_and_match_onnxruntime(name):
     model = PLAIN_CASES[name]()
+    graph = optimize(import_model(model), target=host_target())
+    convs = [n for n in graph.nodes if n.op == "Conv"]
+    assert all(n.attr("out_layout", "NCHW")[-1] == "c" for n in convs), name
     compiled = compiler_core.compile(model)
     shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
     feeds = {"x": rand(*shape)}
@@ -204,3 +245,30 @@ def test_plain_conv_blocks(channels, group, lanes, expected):
     from compiler_core.kernels.nn import _plain_conv_block
 
     assert _plain_conv_block(channels, group, lanes) == expected
+
+
+def test_layout_transform_between_padded_blocks():
+    """37 channels in 8-blocks (3 padding lanes) -> 16-blocks (11) -> plain, natively."""
+    blocked8 = to_blocked(rand(1, 37, 3, 4), 8)
+    transform = {"dst_layout": "NCHW16c", "channels": 37}
+    nodes = (
+        Node("LayoutTransform", "t16", ("x",), ("a",), {"src_layout": "NCHW8c", **transform}),
+        Node(
+            "LayoutTransform",
+            "tplain",
+            ("a",),
+            ("y",),
+            {"src_layout": "NCHW16c", "dst_layout": "NCHW", "channels": 37},
+        ),
+    )
+    types = {
+        "x": TensorType(blocked8.shape, "float32"),
+        "a": TensorType((1, 3, 3, 4, 16), "float32"),
+        "y": TensorType((1, 37, 3, 4), "float32"),
+    }
+    graph = fuse_operators.run(Graph("padded", ("x",), ("y", "a"), nodes, types, {}))
+    out = load(compile_graph(graph, host_target())).run({"x": blocked8})
+    plain = to_plain(blocked8, 8, 37)
+    np.testing.assert_array_equal(out["y"], plain)
+    np.testing.assert_array_equal(out["a"], to_blocked(plain, 16))
+    assert not out["a"][0, 2, ..., 5:].any()  # padding lanes are zero

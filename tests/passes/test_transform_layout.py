@@ -105,8 +105,8 @@ def test_blocked_value_that_is_also_an_output_keeps_its_name():
 
 @pytest.mark.parametrize(
     "channels, group",
-    [(12, 1), (16, 4)],
-    ids=["channels_not_a_multiple_of_8", "group_channels_not_a_multiple_of_8"],
+    [(4, 1), (16, 4)],
+    ids=["fewer_than_8_channels", "group_channels_not_a_multiple_of_8"],
 )
 def test_ineligible_convs_are_left_alone(channels, group):
     model = make_model(
@@ -117,6 +117,53 @@ def test_ineligible_convs_are_left_alone(channels, group):
     )
     before = before_layout(model)
     assert transform_layout.run(before) is before
+
+
+def padded_chain_model():
+    """Channel counts no block divides: conv 8->58 -> Sigmoid (padding lanes 0.5) ->
+    depthwise 58 -> Add(the Sigmoid) -> MaxPool -> conv 58->29 -> Exp (not padding-safe)."""
+    return make_model(
+        [
+            conv("stem", "x", "wa", "a", pads=[1, 1, 1, 1]),
+            helper.make_node("Sigmoid", ["a"], ["s"], name="sig"),
+            conv("dw", "s", "wb", "b", group=58, pads=[1, 1, 1, 1]),
+            helper.make_node("Add", ["b", "s"], ["c"], name="add"),
+            helper.make_node("MaxPool", ["c"], ["p"], name="pool", kernel_shape=[3, 3], pads=[1] * 4),
+            conv("project", "p", "wc", "d"),
+            helper.make_node("Exp", ["d"], ["y"], name="exp"),
+        ],
+        [("x", FLOAT, [1, 8, 6, 7])],
+        [("y", FLOAT, [1, 29, 6, 7])],
+        {"wa": rand(58, 8, 3, 3), "wb": rand(58, 1, 3, 3), "wc": rand(29, 58, 1, 1) * 0.1},
+    )
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_odd_channel_counts_stay_blocked_with_padded_blocks(lanes):
+    before = before_layout(padded_chain_model())
+    after = transform_layout.run(before, lanes=lanes)
+    blocked = f"NCHW{lanes}c"
+    assert layouts(after) == [
+        ("stem", "NCHW", blocked),
+        ("dw", blocked, blocked),
+        ("project", blocked, blocked),
+    ]
+    assert after.types["s_" + blocked.lower()].shape == (1, 64 // lanes, 6, 7, lanes)
+    transforms = [n for n in after.nodes if n.op == "LayoutTransform"]
+    assert [(n.attr("src_layout"), n.attr("channels")) for n in transforms] == [(blocked, 29)]
+    exp = next(n for n in after.nodes if n.op == "Exp")
+    assert exp.inputs == transforms[0].outputs  # Exp runs on plain data
+    assert_same_function(before, after)
+
+
+def test_padded_blocks_round_trip_and_change_block():
+    x = rand(2, 40, 3, 5)
+    blocked = to_blocked(x, 16)
+    assert blocked.shape == (2, 3, 3, 5, 16)
+    assert not blocked[:, 2, ..., 8:].any()  # padding lanes are zero
+    np.testing.assert_array_equal(to_plain(blocked, 16, 40), x)
+    eights = to_blocked(to_plain(blocked, 16, 40), 8)
+    np.testing.assert_array_equal(to_plain(eights, 8), x)
 
 
 def test_non_constant_weights_are_left_alone():

@@ -2,8 +2,15 @@
 
 A layout is a string: plain "NCW", "NCHW" or "NCDHW" (1, 2 or 3 spatial axes), or blocked
 "NCW16c", "NCHW16c", "NCDHW16c" (channels split into blocks of 16, the block innermost:
-[N, C/16, *spatial, 16]). `LayoutTransform` converts a value between the two; the layout
+[N, ceil(C/16), *spatial, 16]). `LayoutTransform` converts a value between the two; the layout
 pass inserts it only at the edges of a chain of blocked convolutions.
+
+Channels that do not fill the last block are padded: the blocked form has whole blocks, and
+the lanes past the real channels ("padding lanes") hold finite values of no meaning. A
+conversion to blocked writes zeros there; a blocked conv gives them zero filters (so its output
+there is its epilogue applied to zero) and reads its input's padding lanes with zero weights;
+a conversion back to plain crops them. The plain channel count travels as the
+`LayoutTransform`'s `channels` attribute, since the blocked shape rounds it up.
 """
 
 from __future__ import annotations
@@ -41,51 +48,74 @@ def blocked_layout(block: int, rank: int = 4) -> str:
     return f"{name}{block}c" if block else name
 
 
+def blocks_for(channels: int, block: int) -> int:
+    """Blocks of `block` channels that hold `channels` (the last one padded)."""
+    return -(-channels // block)
+
+
 def blocked_shape(shape, block: int) -> tuple[int, ...]:
-    """The [N, C, *spatial] shape in NCHW[block]c."""
+    """The [N, C, *spatial] shape in NCHW[block]c (C rounded up to whole blocks)."""
     if not block:
         return tuple(shape)
     n, c, *spatial = shape
-    if c % block:
-        raise ShapeError(f"{c} channels do not split into blocks of {block}")
-    return (n, c // block, *spatial, block)
+    return (n, blocks_for(c, block), *spatial, block)
 
 
-def plain_shape(shape, block: int) -> tuple[int, ...]:
+def plain_shape(shape, block: int, channels: int = 0) -> tuple[int, ...]:
+    """The plain shape of NCHW[block]c data holding `channels` real channels (0: all its
+    lanes, whole blocks)."""
     if not block:
         return tuple(shape)
     n, outer, *spatial, inner = shape
     if inner != block:
         raise ShapeError(f"shape {tuple(shape)} is not in NCHW{block}c")
-    return (n, outer * block, *spatial)
+    if channels and blocks_for(channels, block) != outer:
+        raise ShapeError(f"{channels} channels do not fill {outer} blocks of {block}")
+    return (n, channels or outer * block, *spatial)
 
 
 def to_blocked(x: np.ndarray, block: int) -> np.ndarray:
+    """Plain -> NCHW[block]c, zeros in the padding lanes."""
     if not block:
         return x
     n, c, *spatial = x.shape
-    split = x.reshape(n, c // block, block, *spatial)
+    padding = blocks_for(c, block) * block - c
+    if padding:
+        x = np.concatenate([x, np.zeros((n, padding, *spatial), x.dtype)], axis=1)
+    split = x.reshape(n, -1, block, *spatial)
     return np.ascontiguousarray(np.moveaxis(split, 2, -1))
 
 
-def to_plain(x: np.ndarray, block: int) -> np.ndarray:
+def to_plain(x: np.ndarray, block: int, channels: int = 0) -> np.ndarray:
+    """NCHW[block]c -> plain, the first `channels` channels (0: every lane)."""
     if not block:
         return x
     n, outer, *spatial, inner = x.shape
-    return np.ascontiguousarray(np.moveaxis(x, -1, 2)).reshape(n, outer * inner, *spatial)
+    plain = np.ascontiguousarray(np.moveaxis(x, -1, 2)).reshape(n, outer * inner, *spatial)
+    return np.ascontiguousarray(plain[:, :channels]) if channels else plain
+
+
+def transform_blocks(node) -> tuple[int, int, int]:
+    """(source block, target block, plain channels; 0: whole blocks) of a LayoutTransform."""
+    return (
+        block_of(node.attr("src_layout")),
+        block_of(node.attr("dst_layout")),
+        node.attr("channels", 0),
+    )
 
 
 def _transform_rule(node, types):
     (x,) = types
-    source, target = block_of(node.attr("src_layout")), block_of(node.attr("dst_layout"))
+    source, target, channels = transform_blocks(node)
     if x.rank < 3:
         raise ShapeError(f"LayoutTransform needs [N, C, ...] data, got {x}")
-    return [TensorType(blocked_shape(plain_shape(x.shape, source), target), x.dtype)]
+    plain = plain_shape(x.shape, source, channels)
+    return [TensorType(blocked_shape(plain, target), x.dtype)]
 
 
 def _transform(node, inputs):
-    source, target = block_of(node.attr("src_layout")), block_of(node.attr("dst_layout"))
-    return [to_blocked(to_plain(inputs[0], source), target)]
+    source, target, channels = transform_blocks(node)
+    return [to_blocked(to_plain(inputs[0], source, channels), target)]
 
 
 OPS: dict[str, OpDef] = {

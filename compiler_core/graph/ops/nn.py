@@ -73,10 +73,16 @@ def conv_layouts(node) -> tuple[int, int]:
     )
 
 
+def _data_channels(node, types) -> int:
+    """The real input channels of a Conv that reads blocked (maybe padded) data."""
+    return types[1].shape[1] * node.attr("group", 1)
+
+
 def _conv_rule(node, types):
     data_block, out_block = conv_layouts(node)
     if data_block or out_block:
-        plain = TensorType(plain_shape(types[0].shape, data_block), types[0].dtype)
+        channels = _data_channels(node, types) if data_block else 0
+        plain = TensorType(plain_shape(types[0].shape, data_block, channels), types[0].dtype)
         (out,) = _plain_conv_rule(node, [plain, *types[1:]])
         return [TensorType(blocked_shape(out.shape, out_block), out.dtype)]
     return _plain_conv_rule(node, types)
@@ -101,7 +107,8 @@ def _plain_conv_rule(node, types):
 def _conv(node, inputs):
     data_block, out_block = conv_layouts(node)
     if data_block or out_block:
-        plain = [to_plain(inputs[0], data_block), *inputs[1:]]
+        channels = inputs[1].shape[1] * node.attr("group", 1)
+        plain = [to_plain(inputs[0], data_block, channels), *inputs[1:]]
         return [to_blocked(_plain_conv(node, plain)[0], out_block)]
     return _plain_conv(node, inputs)
 
