@@ -63,20 +63,22 @@ def _out_len(length, kernel, stride=1, pad=0, dilation=1):
 
 
 def conv(name, family, c, m, spatial, kernel, stride=1, pad=0, group=1, description=""):
-    """Conv over len(spatial) dims, square kernel/stride/pad."""
+    """Conv over len(spatial) dims; kernel, stride and pad are one int for every axis or one
+    per axis (a (3, 1, 1) temporal conv)."""
     nd = len(spatial)
-    out = [_out_len(s, kernel, stride, pad) for s in spatial]
+    kernel, stride, pad = (v if isinstance(v, tuple) else (v,) * nd for v in (kernel, stride, pad))
+    out = [_out_len(*args) for args in zip(spatial, kernel, stride, pad, strict=True)]
 
     def build():
         return _model(
             "Conv",
             {"x": [1, c, *spatial]},
-            {"w": _weights(m, c // group, *[kernel] * nd), "b": _weights(m, scale=0.1)},
+            {"w": _weights(m, c // group, *kernel), "b": _weights(m, scale=0.1)},
             [1, m, *out],
             {
-                "kernel_shape": [kernel] * nd,
-                "strides": [stride] * nd,
-                "pads": [pad] * (2 * nd),
+                "kernel_shape": list(kernel),
+                "strides": list(stride),
+                "pads": list(pad) * 2,
                 "group": group,
             },
         )
@@ -243,6 +245,39 @@ CASES: dict[str, Case] = {
         conv_transpose("convT_k2s2", 48, 24, [96, 96], 2, 2, description="U-Net up-step"),
         conv_transpose("convT_k4s2p1", 128, 64, [32, 32], 4, 2, 1, description="GAN decoder"),
         conv("conv3d_3x3x3", "conv3d", 32, 32, [8, 28, 28], 3, 1, 1, description="video"),
+        conv(
+            "conv3d_133",
+            "conv3d",
+            64,
+            144,
+            [8, 56, 56],
+            (1, 3, 3),
+            1,
+            (0, 1, 1),
+            description="R(2+1)D spatial",
+        ),
+        conv(
+            "conv3d_311",
+            "conv3d",
+            144,
+            64,
+            [8, 56, 56],
+            (3, 1, 1),
+            1,
+            (1, 0, 0),
+            description="R(2+1)D temporal",
+        ),
+        conv(
+            "conv3d_133_c230",
+            "conv3d",
+            64,
+            230,
+            [8, 56, 56],
+            (1, 3, 3),
+            (1, 2, 2),
+            (0, 1, 1),
+            description="R(2+1)D, 230 mid planes",
+        ),
         matmul("bmm_qk", [12, 197, 64], [12, 64, 197], False, description="ViT attention scores"),
         matmul("bmm_pv", [12, 197, 197], [12, 197, 64], False, description="ViT attention P.V"),
         matmul("matmul_m49", [49, 768], [768, 3072], True, description="Swin MLP, ragged M"),

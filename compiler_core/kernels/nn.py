@@ -184,6 +184,16 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
             source = padded[(n, mo, *window(spatial), mi)]
             return reduce_sum(source * wp[(mo, *ks, mi)], ks)
 
+    elif group > 1 and cg < data_block:
+        wp = ctx.packed(node.inputs[1], f"gdiag{block}", _block_diagonal(weights, block))
+        rci = reduce_axis(block, "rci")
+
+        def body(n, mo, *rest):
+            # Output block mo holds whole groups, whose inputs are input block mo.
+            *spatial, mi = rest
+            source = padded[(n, mo, *window(spatial), rci)]
+            return reduce_sum(source * wp[(mo, *ks, rci, mi)], [*ks, rci])
+
     elif data_block:
         in_blocks = cg // data_block  # input channel blocks per group
         out_blocks = m // group // block  # output channel blocks per group
@@ -230,6 +240,19 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         return value + bias[(mo, rest[-1])] if bias is not None else value
 
     return [compute(out.shape, result, ctx.stage_name(node))]
+
+
+def _block_diagonal(weights, block: int):
+    """The filters of a conv whose groups (g inputs, g outputs each) are smaller than a block,
+    as one dense block x block matrix per output block and tap: [M/b, *K, b in, b out], zero
+    where an input and an output belong to different groups of the block."""
+    m, g, *kernel = weights.shape
+    per_block = weights.reshape(m // block, block // g, g, g, *kernel)  # [.., group, out, in]
+    dense = np.zeros((m // block, *kernel, block, block), weights.dtype)
+    for j in range(block // g):
+        within = slice(j * g, (j + 1) * g)
+        dense[..., within, within] = np.moveaxis(per_block[:, j], (1, 2), (-1, -2))
+    return dense
 
 
 def _padded_filters(weights, out_channels: int, in_blocks: int, data_block: int, group: int):

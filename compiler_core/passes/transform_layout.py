@@ -13,7 +13,8 @@ Eligible: float32 1-D, 2-D or 3-D Conv with a constant weight and no groups or a
 grouping (one input and one output channel per group), with at least 8 output channels: when
 they do not fill whole blocks (ShuffleNet's 58, the 230 of R(2+1)D's mid planes) the last block
 is padded (see `graph/ops/layout.py`), so that an odd channel count never leaves the fast
-path; or a conv whose groups' input and output channels are multiples of the block. The block
+path; or a conv whose groups' input and output channels are multiples of the block, or whose
+groups are smaller than a block and fill it (as many inputs as outputs per group). The block
 is the one of a vector register of float32 or 8 lanes, whichever pads least (the larger on a
 tie). A plain conv reads its data in whatever block its producer wrote; a grouped one reads it
 in its own block, so that every input block belongs to one group.
@@ -213,9 +214,17 @@ def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
             return 0
         # The least padding; the larger block on a tie (`blocks` runs largest first).
         return min(blocks, key=lambda b: blocks_for(out_channels, b) * b)
-    # Grouped: every channel block lies inside one group, on the input side and the output.
+    # Grouped: every channel block lies inside one group, on the input side and the output;
     in_per_group, out_per_group = w.shape[1], out_channels // group
-    return next((b for b in blocks if in_per_group % b == 0 and out_per_group % b == 0), 0)
+    inside = next((b for b in blocks if in_per_group % b == 0 and out_per_group % b == 0), 0)
+    if inside or in_per_group != out_per_group:
+        return inside
+    # or, for groups smaller than a block (ResNeXt's 4 channels per group), a block holds whole
+    # groups, input and output alike, and its filters are block-diagonal: the smallest block
+    # wastes least on the zeros between groups.
+    return next(
+        (b for b in reversed(blocks) if b % in_per_group == 0 and out_channels % b == 0), 0
+    )
 
 
 def run(graph: Graph, lanes: int = 16) -> Graph:

@@ -131,6 +131,9 @@ CASES = {
     "conv3d_grouped": lambda: conv_case(16, 16, [3, 4, 5], 3, pad=1, group=2),
     "conv2d_grouped": lambda: conv_case(16, 32, [9, 11], 3, pad=1, group=2),
     "conv2d_grouped_strided": lambda: conv_case(32, 32, [10, 7], 3, stride=2, pad=1, group=4),
+    "conv2d_groups_of_4": lambda: conv_case(32, 32, [9, 11], 3, pad=1, group=8),
+    "conv2d_groups_of_2_strided": lambda: conv_case(16, 16, [10, 7], 3, stride=2, pad=1, group=8),
+    "conv1d_groups_of_4": lambda: conv_case(16, 16, [29], 5, pad=2, group=4),
     "conv2d_three_channel_stem": lambda: conv_case(3, 16, [17, 23], 3, stride=2, pad=1),
 }
 

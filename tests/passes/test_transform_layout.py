@@ -105,8 +105,8 @@ def test_blocked_value_that_is_also_an_output_keeps_its_name():
 
 @pytest.mark.parametrize(
     "channels, group",
-    [(4, 1), (16, 4)],
-    ids=["fewer_than_8_channels", "group_channels_not_a_multiple_of_8"],
+    [(4, 1), (24, 4)],
+    ids=["fewer_than_8_channels", "groups_of_4_inputs_and_6_outputs"],
 )
 def test_ineligible_convs_are_left_alone(channels, group):
     model = make_model(
