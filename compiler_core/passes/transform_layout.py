@@ -222,9 +222,7 @@ def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
     # or, for groups smaller than a block (ResNeXt's 4 channels per group), a block holds whole
     # groups, input and output alike, and its filters are block-diagonal: the smallest block
     # wastes least on the zeros between groups.
-    return next(
-        (b for b in reversed(blocks) if b % in_per_group == 0 and out_channels % b == 0), 0
-    )
+    return next((b for b in reversed(blocks) if b % in_per_group == 0 and out_channels % b == 0), 0)
 
 
 def run(graph: Graph, lanes: int = 16) -> Graph:

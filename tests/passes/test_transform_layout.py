@@ -128,7 +128,9 @@ def padded_chain_model():
             helper.make_node("Sigmoid", ["a"], ["s"], name="sig"),
             conv("dw", "s", "wb", "b", group=58, pads=[1, 1, 1, 1]),
             helper.make_node("Add", ["b", "s"], ["c"], name="add"),
-            helper.make_node("MaxPool", ["c"], ["p"], name="pool", kernel_shape=[3, 3], pads=[1] * 4),
+            helper.make_node(
+                "MaxPool", ["c"], ["p"], name="pool", kernel_shape=[3, 3], pads=[1] * 4
+            ),
             conv("project", "p", "wc", "d"),
             helper.make_node("Exp", ["d"], ["y"], name="exp"),
         ],
