@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
-from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout, blocks_for
+from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout, blocks_for, to_blocked
+from compiler_core.graph.ops.reduce import reduce_axes
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
+SPATIAL_REDUCTIONS = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum")
 MIN_BLOCKED_CHANNELS = 8
 # Elementwise ops that map finite padding lanes to finite values (no division, logarithm or
 # exponential growth), so that a padded blocked value may pass through them.
@@ -56,6 +58,7 @@ class _Rewriter:
         self.blocks = blocks
         self.fresh = NameGenerator(graph.names())
         self.types = dict(graph.types)
+        self.constants = dict(graph.constants)
         self.nodes: list[Node] = []
         # plain value -> {block: the value's twin in NCHW[block]c}
         self.blocked: dict[str, dict[int, str]] = {}
@@ -65,6 +68,11 @@ class _Rewriter:
 
     def as_blocked(self, value: str, block: int) -> str:
         twins = self.blocked.setdefault(value, {})
+        if block not in twins and value in self.graph.constants:  # blocked at build time
+            twin = self.fresh.unique(f"{value}_{self._layout(value, block).lower()}")
+            self.constants[twin] = to_blocked(self.graph.constants[value], block)
+            self.types[twin] = TensorType(self.constants[twin].shape, self.types[value].dtype)
+            twins[block] = twin
         if block not in twins:
             source_block, source = next(iter(twins.items()), (0, value))
             if not source_block:
@@ -132,6 +140,9 @@ class _Rewriter:
             block = self._pool_block(node)
             attrs = {**node.attr_dict, "data_layout": self._layout(node.inputs[0], block)}
             self._produce_blocked(node, (self.blocked[node.inputs[0]][block],), block, attrs)
+        elif self._reduce_block(node):
+            block = self._reduce_block(node)
+            self._produce_blocked(node, (self.blocked[node.inputs[0]][block],), block)
         elif self._concat_block(node):
             block = self._concat_block(node)
             inputs = tuple(self.as_blocked(v, block) for v in node.inputs)
@@ -160,13 +171,16 @@ class _Rewriter:
 
     def _carried_block(self, node: Node) -> int:
         """The block an elementwise op keeps: that of its first blocked operand, when every
-        other operand is a scalar or a tensor of the same shape (0: stay plain)."""
+        other operand is a scalar, a tensor of the same shape or one that broadcasts along
+        batch or spatial axes only (a squeeze-excitation's [N, C, 1, 1] scale, a per-channel
+        constant of the same rank): blocked, they broadcast the same (0: stay plain)."""
         if OP_TABLE[node.op].kind > OpKind.BROADCAST or len(node.outputs) != 1:
             return 0
         shape = self.graph.types[node.outputs[0]].shape
         data = self._data_inputs(node)
-        same_shape = all(self.graph.types[v].shape == shape for v in data)
-        if len(shape) - 2 not in SPATIAL or not same_shape:
+        if len(shape) - 2 not in SPATIAL:
+            return 0
+        if not all(_channels_aligned(self.graph.types[v].shape, shape) for v in data):
             return 0
         block = next((self._block_available(v) for v in data if v in self.blocked), 0)
         if block and shape[1] % block and node.op not in PADDING_SAFE:
@@ -177,6 +191,17 @@ class _Rewriter:
         """Max and average pooling over the spatial axes run in the block of their blocked input
         (MaxPool's Indices output, which counts plain positions, keeps a pool plain)."""
         if node.op not in POOLS or any(node.outputs[1:]):
+            return 0
+        return self._block_available(node.inputs[0])
+
+    def _reduce_block(self, node: Node) -> int:
+        """A reduction over spatial axes that keeps them (GlobalAveragePool, the pooling of a
+        squeeze-excitation) reduces the same axes of blocked data: the result is the blocked
+        form of the plain one."""
+        if node.op not in SPATIAL_REDUCTIONS or node.inputs[0] not in self.blocked:
+            return 0
+        axes = reduce_axes(node, self.graph.types[node.inputs[0]].rank)
+        if not node.attr("keepdims", 1) or min(axes) < 2:
             return 0
         return self._block_available(node.inputs[0])
 
@@ -199,6 +224,14 @@ class _Rewriter:
         data = set(self._data_inputs(node))
         inputs = tuple(self.as_blocked(v, block) if v in data else v for v in node.inputs)
         self._produce_blocked(node, inputs, block)
+
+
+def _channels_aligned(operand: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether an operand of an elementwise op with output `shape` has its channels and
+    broadcasts along the other axes only."""
+    if len(operand) != len(shape) or operand[1] != shape[1]:
+        return False
+    return all(d in (1, full) for d, full in zip(operand, shape, strict=True))
 
 
 def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
@@ -236,5 +269,11 @@ def run(graph: Graph, lanes: int = 16) -> Graph:
     for value in graph.outputs:
         if value in rewriter.blocked:
             rewriter.as_plain(value)
-    types = {k: v for k, v in rewriter.types.items() if isinstance(v, TensorType)}
-    return graph.replace(nodes=tuple(rewriter.nodes), types=types)
+    # A constant whose readers all take its blocked twin is dropped (stored once).
+    used = {v for node in rewriter.nodes for v in node.inputs} | set(graph.outputs)
+    constants = {k: v for k, v in rewriter.constants.items() if k in used}
+    dropped = set(rewriter.constants) - set(constants)
+    types = {
+        k: v for k, v in rewriter.types.items() if isinstance(v, TensorType) and k not in dropped
+    }
+    return graph.replace(nodes=tuple(rewriter.nodes), types=types, constants=constants)

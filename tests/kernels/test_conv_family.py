@@ -20,6 +20,7 @@ from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import host_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
+from tests.passes.test_transform_layout import squeeze_excitation_model
 
 RNG = np.random.default_rng(11)
 
@@ -218,6 +219,7 @@ def shuffle_unit():
 
 
 PLAIN_CASES["shuffle_unit"] = shuffle_unit
+PLAIN_CASES["squeeze_excitation_20"] = lambda: squeeze_excitation_model(20)
 
 
 @pytest.mark.parametrize("name", list(PLAIN_CASES))

@@ -72,7 +72,7 @@ def test_chain_stays_blocked_with_one_transform_at_the_end():
     assert_same_function(before, after)
 
 
-def test_per_channel_operand_sends_the_value_back_to_plain():
+def test_per_channel_constant_is_blocked_at_build_time():
     model = make_model(
         [
             conv("conv", "x", "w", "a"),
@@ -85,7 +85,62 @@ def test_per_channel_operand_sends_the_value_back_to_plain():
     before = before_layout(model)
     after = transform_layout.run(before)
     mul = next(n for n in after.nodes if n.op == "Mul")
+    assert [after.types[v].shape for v in mul.inputs] == [(1, 1, 5, 5, 16), (1, 1, 1, 1, 16)]
+    assert "scale" not in after.constants  # stored once, blocked
+    assert [n.op for n in after.nodes] == ["Conv", "Mul", "LayoutTransform"]
+    assert_same_function(before, after)
+
+
+def test_operand_broadcast_over_channels_sends_the_value_back_to_plain():
+    model = make_model(
+        [
+            conv("conv", "x", "w", "a"),
+            helper.make_node("Mul", ["a", "mask"], ["y"], name="mask"),
+        ],
+        [("x", FLOAT, [1, 4, 5, 5])],
+        [("y", FLOAT, [1, 16, 5, 5])],
+        {"w": rand(16, 4, 1, 1), "mask": rand(1, 1, 5, 5)},
+    )
+    before = before_layout(model)
+    after = transform_layout.run(before)
+    mul = next(n for n in after.nodes if n.op == "Mul")
     assert after.types[mul.inputs[0]].shape == (1, 16, 5, 5)
+    assert_same_function(before, after)
+
+
+def squeeze_excitation_model(channels=24):
+    """conv -> HardSwish -> GlobalAveragePool -> 1x1 conv -> Relu -> 1x1 conv -> HardSigmoid
+    -> Mul with the HardSwish output (MobileNetV3's SE block)."""
+    return make_model(
+        [
+            conv("conv", "x", "w", "a", pads=[1, 1, 1, 1]),
+            helper.make_node("HardSwish", ["a"], ["h"], name="hswish"),
+            helper.make_node("GlobalAveragePool", ["h"], ["g"], name="squeeze"),
+            helper.make_node("Conv", ["g", "w1", "b1"], ["s1"], name="fc1"),
+            helper.make_node("Relu", ["s1"], ["r"], name="relu"),
+            helper.make_node("Conv", ["r", "w2", "b2"], ["s2"], name="fc2"),
+            helper.make_node("HardSigmoid", ["s2"], ["gate"], name="gate", alpha=1 / 6),
+            helper.make_node("Mul", ["h", "gate"], ["y"], name="excite"),
+        ],
+        [("x", FLOAT, [1, 8, 7, 9])],
+        [("y", FLOAT, [1, channels, 7, 9])],
+        {
+            "w": rand(channels, 8, 3, 3),
+            "w1": rand(8, channels, 1, 1),
+            "b1": rand(8),
+            "w2": rand(channels, 8, 1, 1),
+            "b2": rand(channels),
+        },
+    )
+
+
+@pytest.mark.parametrize("channels", [24, 20])
+def test_squeeze_excitation_stays_blocked(channels):
+    before = before_layout(squeeze_excitation_model(channels))
+    after = transform_layout.run(before, lanes=8)
+    transforms = [n for n in after.nodes if n.op == "LayoutTransform"]
+    assert [n.outputs for n in transforms] == [("y",)]
+    assert after.types["g_nchw8c"].shape == (1, -(-channels // 8), 1, 1, 8)
     assert_same_function(before, after)
 
 
