@@ -732,6 +732,9 @@ def unblock_schedule(stage: StageInfo, block: int) -> list[Record]:
     from memory `block` times."""
     rank = len(stage.shape)
     channel, spatial = stage.loop(1), [stage.loop(k) for k in range(2, rank)]
+    if stage.shape[1] <= block:  # part of one block (a 2-class head): channels innermost
+        records = [Reorder((stage.loop(0), *spatial, channel)), Unroll(channel)]
+        return [*records, Parallel(spatial[0])]
     records: list[Record] = [
         Split(channel, block),
         Reorder((stage.loop(0), f"{channel}_o", *spatial, f"{channel}_i")),

@@ -10,7 +10,8 @@ plain data: at the edges of a chain. 1-D (NCW[b]c), 2-D (NCHW[b]c) and 3-D (NCDH
 convolutions are all blocked the same way.
 
 Eligible: float32 1-D, 2-D or 3-D Conv with a constant weight and no groups or a depthwise
-grouping (one input and one output channel per group), with at least 8 output channels: when
+grouping (one input and one output channel per group), with at least 8 output channels or
+blocked data (a segmentation head of 2 classes after a blocked chain): when
 they do not fill whole blocks (ShuffleNet's 58, the 230 of R(2+1)D's mid planes) the last block
 is padded (see `graph/ops/layout.py`), so that an odd channel count never leaves the fast
 path; or a conv whose groups' input and output channels are multiples of the block, or whose
@@ -131,7 +132,8 @@ class _Rewriter:
     # --- node rewrites -----------------------------------------------------------------------
 
     def visit(self, node: Node) -> None:
-        block = _conv_block(self.graph, node, self.blocks)
+        data_blocked = bool(node.inputs) and node.inputs[0] in self.blocked
+        block = _conv_block(self.graph, node, self.blocks, data_blocked)
         if block:
             self._blocked_conv(node, block)
         elif self._carried_block(node):
@@ -234,8 +236,10 @@ def _channels_aligned(operand: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     return all(d in (1, full) for d, full in zip(operand, shape, strict=True))
 
 
-def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
-    """The channel block an eligible Conv writes (0: not eligible)."""
+def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...], data_blocked=False) -> int:
+    """The channel block an eligible Conv writes (0: not eligible). A conv of blocked data is
+    blocked whatever its output channels (a segmentation head's 2 classes): padded to a block,
+    the fast kernel and a crop beat a plain conv behind a transform of its input."""
     if node.op != "Conv" or node.attr("out_layout", PLAIN) != PLAIN:
         return 0
     x, w = graph.types[node.inputs[0]], graph.types[node.inputs[1]]
@@ -243,7 +247,7 @@ def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
         return 0
     group, out_channels = node.attr("group", 1), w.shape[0]
     if group == 1 or group == x.shape[1] == out_channels:
-        if out_channels < MIN_BLOCKED_CHANNELS:
+        if out_channels < MIN_BLOCKED_CHANNELS and not (data_blocked and group == 1):
             return 0
         # The least padding; the larger block on a tie (`blocks` runs largest first).
         return min(blocks, key=lambda b: blocks_for(out_channels, b) * b)
@@ -261,7 +265,7 @@ def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...]) -> int:
 def run(graph: Graph, lanes: int = 16) -> Graph:
     """Block the graph's conv chains for a target with `lanes` float32 lanes per vector."""
     blocks = block_sizes(lanes)
-    if not any(_conv_block(graph, node, blocks) for node in graph.nodes):
+    if not any(_conv_block(graph, node, blocks) for node in graph.nodes):  # no chain starts
         return graph
     rewriter = _Rewriter(graph, blocks)
     for node in graph.nodes:

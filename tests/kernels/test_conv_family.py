@@ -218,7 +218,23 @@ def shuffle_unit():
     )
 
 
+def two_class_head():
+    """3x3 conv 8->16 -> Relu -> 1x1 conv 16->2: the head reads blocked data and pads its two
+    outputs to a block, cropped on the way out."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[1] * 4),
+            helper.make_node("Relu", ["a"], ["r"], name="relu"),
+            helper.make_node("Conv", ["r", "w2", "b2"], ["y"], name="head"),
+        ],
+        [("x", FLOAT, [1, 8, 10, 13])],
+        [("y", FLOAT, [1, 2, 10, 13])],
+        {"w1": rand(16, 8, 3, 3, scale=0.3), "w2": rand(2, 16, 1, 1), "b2": rand(2)},
+    )
+
+
 PLAIN_CASES["shuffle_unit"] = shuffle_unit
+PLAIN_CASES["two_class_head"] = two_class_head
 PLAIN_CASES["squeeze_excitation_20"] = lambda: squeeze_excitation_model(20)
 
 
