@@ -182,13 +182,14 @@ def unet() -> onnx.ModelProto:
 
 
 def video_net() -> onnx.ModelProto:
-    """(2+1)-D video convs: a full 3x3x3 conv, a spatial (1,3,3) and a temporal (3,1,1) conv,
-    3-D pooling, a global mean and a classifier."""
+    """(2+1)-D video convs: a full 3x3x3 conv, a spatial (1,3,3) and a temporal (3,1,1) conv
+    through an odd number of mid planes (R(2+1)D's 230, 460...: a padded block), 3-D pooling,
+    a global mean and a classifier."""
     b = GraphBuilder("video_net")
     x = b.input("clip", [1, 3, 6, 20, 20])
     x = b.op("Relu", b.conv(x, 3, 16, 3, pad=1, nd=3))
-    x = b.op("Relu", b.conv(x, 16, 24, [1, 3, 3], stride=[1, 2, 2], pad=[0, 1, 1], nd=3))
-    x = b.op("Relu", b.conv(x, 24, 24, [3, 1, 1], pad=[1, 0, 0], nd=3))
+    x = b.op("Relu", b.conv(x, 16, 23, [1, 3, 3], stride=[1, 2, 2], pad=[0, 1, 1], nd=3))
+    x = b.op("Relu", b.conv(x, 23, 24, [3, 1, 1], pad=[1, 0, 0], nd=3))
     x = b.op("MaxPool", x, kernel_shape=[2, 2, 2], strides=[2, 2, 2])
     x = b.op("ReduceMean", x, b.const(np.array([2, 3, 4], np.int64)), keepdims=0)
     return b.model(b.linear(x, 24, 10))
@@ -248,11 +249,13 @@ def convnext_block() -> onnx.ModelProto:
 
 
 def resnext_block() -> onnx.ModelProto:
-    """ResNeXt: a grouped 3x3 conv (8 groups of 8 channels) between 1x1 convs, residual."""
+    """ResNeXt: grouped 3x3 convs between 1x1 convs, residual: 8 groups of 8 channels, then
+    16 groups of 4 (resnext50_32x4d's first stage), whose blocks hold two groups each."""
     b = GraphBuilder("resnext_block")
     x = b.op("Relu", b.conv(b.input("x", [1, 16, 14, 14]), 16, 64, 1))
     y = b.op("Relu", b.conv(x, 64, 64, 1))
     y = b.op("Relu", b.conv(y, 64, 64, 3, pad=1, group=8))
+    y = b.op("Relu", b.conv(y, 64, 64, 3, pad=1, group=16))
     return b.model(b.op("Relu", b.op("Add", b.conv(y, 64, 64, 1), x)))
 
 
