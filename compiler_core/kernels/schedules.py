@@ -337,18 +337,14 @@ def _nchwc_fits(conv: StageInfo, config: Mapping[str, object], target: Target) -
 
 
 def _default_mo_chunk(conv: StageInfo, chunks: tuple[int, ...], tile_blocks: int) -> int:
-    """The most output-channel blocks (a multiple of the tile's, at most NCHWC_MAX_CHUNK) whose
-    packed weights fit NCHWC_CHUNK_BYTES; 1 when a block's reduction is short: its input window is small, so
+    """The most output-channel blocks (a multiple of the tile's) whose packed weights fit
+    NCHWC_CHUNK_BYTES; 1 when a block's reduction is short: its input window is small, so
     chunks would only scatter the output writes over more blocks (a 1-D stem with 10 taps
     ran 20% slower in chunks of 32 blocks)."""
     per_block = math.prod(extent for _, extent in conv.reduce_axes) * conv.shape[-1] * 4
     if per_block < NCHWC_CHUNK_MIN_BYTES:
         return 1
-    fitting = [
-        k
-        for k in chunks
-        if k % tile_blocks == 0 and k <= NCHWC_MAX_CHUNK and k * per_block <= NCHWC_CHUNK_BYTES
-    ]
+    fitting = [k for k in chunks if k % tile_blocks == 0 and k * per_block <= NCHWC_CHUNK_BYTES]
     return max(fitting, default=1)
 
 
@@ -358,9 +354,6 @@ NCHWC_DEPTHWISE_TILE = 8
 # Weights of one chunk of output-channel blocks: half of a small (512 KB) L2, so that the
 # input window they share stays in cache too.
 NCHWC_CHUNK_BYTES = 256 * 1024
-# ... and at most 4 blocks: on AVX2, 1x1 convs with long reductions ran 7-8% faster in chunks
-# of 4 than of 8 (1024 -> 1024 at 14x14) or 32 (256 -> 256 at 56x56); 3x3 convs were even.
-NCHWC_MAX_CHUNK = 4
 NCHWC_CHUNK_MIN_BYTES = 4 * 1024
 
 
