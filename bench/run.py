@@ -130,7 +130,7 @@ def interleaved(ours, theirs, blocks=BLOCKS, block=BLOCK):
 
     Each block starts after a pause of SETTLE_SECONDS: ORT's worker threads keep spinning for
     about 100 ms after its last call (measured: our next five runs took twice as long), and
-    OpenMP's threads spin too; the pause lets either engine's threads park before the other
+    Kiln's pool workers spin too; the pause lets either engine's threads park before the other
     runs. The first run of a block is still dropped.
     """
     samples = {"ours": [], "theirs": []}

@@ -34,7 +34,7 @@ it is the HTTP stack's share), the client thread's CPU time per request and the 
 process's CPU time per request (/proc/<pid>/stat).
 
 Fairness on a small machine: client and server share the CPU. The defaults give each of the
-two instances one OpenMP thread (two cores, no oversubscription), and the in-process module
+two instances one thread (two cores, no oversubscription), and the in-process module
 uses the same thread count, so phase 1 compares like with like; at concurrency 1 only one of
 client and server runs at a time. In phase 2 the client's threads take CPU from the server
 (see client CPU): throughput there is a lower bound on a server with the machine to itself,
@@ -74,7 +74,7 @@ MODELS_DIR = REPO.parent / "shared" / "models"
 MODEL_SHAPES = {"mlp": {"x": [1, 784]}, "resnet18": None}
 DISTINCT_INPUTS = 16  # requests cycle through these, so a stale or mixed-up output shows
 BLOCK = 20  # kept runs of one engine before switching to the next
-SETTLE_SECONDS = 0.05  # lets OpenMP workers of the engine that just ran go back to sleep
+SETTLE_SECONDS = 0.05  # lets the worker threads of the engine that just ran go back to sleep
 WARMUP_PER_CLIENT = 5
 READY_TIMEOUT = 120.0
 REQUEST_TIMEOUT = 60.0  # resnet18 at concurrency 8 queues for an instance: generous

@@ -138,8 +138,8 @@ class InstancePool:
     def _run_one(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         with self.borrow() as module:
             if self._num_threads:
-                # omp_set_num_threads is per calling thread: setting it when the module was
-                # loaded does not reach the worker threads that serve requests.
+                # Kernel libraries built before Kiln's own pool run on OpenMP, whose
+                # omp_set_num_threads is per calling thread: set it on the serving thread.
                 set_num_threads(self._num_threads)
             try:
                 return module.run(inputs)

@@ -27,7 +27,7 @@ class RuntimeSettings(BaseSettings):
     # as one batch, a batch waiting up to this long for more (0: only what is already queued,
     # no added latency); negative turns batching off.
     runtime_batch_delay_ms: float = 0.0
-    # OpenMP threads per instance (None: the runtime's default, every core).
+    # Threads per instance (None: the runtime's default, every core).
     num_threads: int | None = Field(default=None, ge=1)
     # How often to converge on the deployments listed in the store (0: never). Every replica
     # loads every deployment, so the api's load request needs to reach only one of them.

@@ -223,7 +223,7 @@ class Measurer:
         if self._runner is None or self._runner.poll() is not None:
             env = dict(os.environ)
             if self.options.threads:
-                env["OMP_NUM_THREADS"] = str(self.options.threads)
+                env["KILN_NUM_THREADS"] = str(self.options.threads)
             self._runner = subprocess.Popen(
                 [sys.executable, "-m", "compiler_core.autotune.measure"],
                 stdin=subprocess.PIPE,

@@ -7,9 +7,10 @@ The renderer follows the loop kinds the schedule chose and decides nothing itsel
 - a vectorized loop of L iterations is emitted once, on <L x T> values: an access whose flat
   index moves by one per lane becomes a vector load/store, one that does not move becomes a
   scalar broadcast, anything else is assembled lane by lane;
-- a parallel loop is outlined into a worker that OpenMP's runtime (`GOMP_parallel`) runs on
-  its thread pool; the threads take contiguous chunks (a few per thread) from a shared atomic
-  counter, so a thread the OS preempts on a busy machine holds up one chunk, not half the loop;
+- a parallel loop is outlined into a worker that Kiln's thread pool (`kiln_parallel`,
+  codegen/kiln_pool.c) runs on the caller and its threads; they take contiguous chunks (a few
+  per thread) from a shared atomic counter, so a thread the OS preempts on a busy machine
+  holds up one chunk, not half the loop, and one it has not started holds up nothing;
 - local buffers are stack arrays (LLVM promotes fully unrolled tiles to registers), workspace
   buffers are heap blocks.
 
@@ -771,7 +772,8 @@ class FunctionEmitter:
     # --- parallel loops -------------------------------------------------------------------
 
     def _parallel(self, b: ir.IRBuilder, scope: _Scope, loop: For) -> None:
-        """Outline the loop into `worker(ptr closure)` and run it with GOMP_parallel."""
+        """Outline the loop into `worker(ptr closure)` and run it on Kiln's thread pool
+        (`kiln_parallel`, codegen/kiln_pool.c, linked into every kernel library)."""
         free_vars = sorted(
             {
                 x.name
@@ -804,7 +806,7 @@ class FunctionEmitter:
         for j, name in enumerate(free_vars):
             slot = wb.gep(data, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
             values[name] = wb.load(slot, typ=I64)
-        threads = wb.sext(wb.call(self._declare("omp_get_num_threads", I32, []), []), I64)
+        threads = wb.sext(wb.call(self._declare("kiln_pool_threads", I32, []), []), I64)
         slots = wb.mul(threads, I64(CHUNKS_PER_THREAD))
         chunk = wb.sdiv(wb.add(I64(loop.extent - 1), slots), slots)
         counter = wb.gep(data, [I32(0), counter_field], source_etype=closure_type)
@@ -835,8 +837,8 @@ class FunctionEmitter:
             slot = b.gep(closure, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
             b.store(scope.values[name], slot)
         b.store(I64(0), b.gep(closure, [I32(0), counter_field], source_etype=closure_type))
-        gomp = self._declare("GOMP_parallel", ir.VoidType(), [PTR, PTR, I32, I32])
-        b.call(gomp, [worker, closure, I32(0), I32(0)])
+        pool = self._declare("kiln_parallel", ir.VoidType(), [PTR, PTR])
+        b.call(pool, [worker, closure])
 
     def _worker_prologue(self, worker: ir.Function) -> ir.IRBuilder:
         entry = worker.append_basic_block("entry")

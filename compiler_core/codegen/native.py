@@ -113,17 +113,35 @@ def compiler_driver() -> str:
     raise LinkError("no C compiler driver (cc, gcc or clang) found to link the shared library")
 
 
+POOL_SOURCE = Path(__file__).with_name("kiln_pool.c")
+_pool_object: bytes | None = None
+
+
+def pool_object() -> bytes:
+    """The thread pool that parallel loops run on (kiln_pool.c), compiled once per process."""
+    global _pool_object
+    if _pool_object is None:
+        with tempfile.TemporaryDirectory(prefix="kiln-pool-") as tmp:
+            out = Path(tmp) / "kiln_pool.o"
+            command = [compiler_driver(), "-O2", "-fPIC", "-pthread", "-c", str(POOL_SOURCE)]
+            result = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise LinkError(f"compiling the thread pool failed:\n{result.stderr}")
+            _pool_object = out.read_bytes()
+    return _pool_object
+
+
 def link_shared(objects: list[bytes], output: Path) -> Path:
-    """Link object files into one shared library that uses OpenMP's runtime (libgomp)."""
+    """Link object files and Kiln's thread pool into one shared library."""
     output = Path(output)
     with tempfile.TemporaryDirectory(prefix="kiln-link-") as tmp:
         paths = []
-        for i, data in enumerate(objects):
+        for i, data in enumerate([*objects, pool_object()]):
             path = Path(tmp) / f"part{i}.o"
             path.write_bytes(data)
             paths.append(str(path))
         staged = Path(tmp) / output.name
-        command = [compiler_driver(), "-shared", "-o", str(staged), *paths, "-lgomp", "-lm"]
+        command = [compiler_driver(), "-shared", "-pthread", "-o", str(staged), *paths, "-lm"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise LinkError(f"linking failed ({' '.join(command)}):\n{result.stderr}")

@@ -8,25 +8,55 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+
+def default_threads() -> int:
+    """KILN_NUM_THREADS, else OMP_NUM_THREADS (as OpenMP took it), else every core."""
+    for name in ("KILN_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return os.cpu_count() or 1
+
+
 _GOMP = None
+_THREADS = default_threads()
+_LIBRARIES: weakref.WeakSet = weakref.WeakSet()
+# The first kernel library loaded with a pool: every later one runs its parallel loops on
+# this library's pool, so a process has one set of workers (kept alive on purpose; ctypes
+# never unloads a library anyway).
+_POOL_HOST: ctypes.CDLL | None = None
 
 
-def openmp_runtime() -> ctypes.CDLL:
-    """libgomp, loaded globally so kernels link to the same thread pool."""
+def openmp_runtime() -> ctypes.CDLL | None:
+    """libgomp, loaded globally, for kernel libraries linked before Kiln had its own thread
+    pool (their parallel loops call GOMP_parallel); None where it is not installed."""
     global _GOMP
     if _GOMP is None:
         name = ctypes.util.find_library("gomp") or "libgomp.so.1"
-        _GOMP = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        try:
+            _GOMP = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            return None
     return _GOMP
 
 
 def set_num_threads(count: int) -> None:
-    openmp_runtime().omp_set_num_threads(int(count))
+    """Threads per parallel loop (the caller included) for every kernel library, loaded or
+    to be loaded."""
+    global _THREADS
+    _THREADS = max(int(count), 1)
+    for library in list(_LIBRARIES):
+        library.set_threads(_THREADS)
+    gomp = openmp_runtime()
+    if gomp is not None:
+        gomp.omp_set_num_threads(_THREADS)
 
 
 class KernelLibrary:
@@ -34,6 +64,27 @@ class KernelLibrary:
         openmp_runtime()
         self.path = Path(path)
         self._lib = ctypes.CDLL(str(self.path))
+        _LIBRARIES.add(self)
+        self.set_threads(_THREADS)
+        self._join_process_pool()
+
+    def _join_process_pool(self) -> None:
+        global _POOL_HOST
+        share = getattr(self._lib, "kiln_pool_share", None)
+        if share is None:
+            return  # an OpenMP library, built before Kiln had its own pool
+        if _POOL_HOST is None:
+            _POOL_HOST = self._lib
+            return
+        share.argtypes = [ctypes.c_void_p]
+        share(ctypes.cast(_POOL_HOST.kiln_pool_run, ctypes.c_void_p))
+
+    def set_threads(self, count: int) -> None:
+        """The thread count of this library's pool (kiln_pool.c), if it has one."""
+        setter = getattr(self._lib, "kiln_pool_set_threads", None)
+        if setter is not None:
+            setter.argtypes = [ctypes.c_int]
+            setter(int(count))
 
     def function(self, name: str):
         try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from compiler_core.errors import UserError
-from compiler_core.runtime.library import KernelLibrary, set_num_threads
+from compiler_core.runtime.library import KernelLibrary, default_threads, set_num_threads
 
 MEMBERS = ("model.so", "weights.bin", "plan.json")
 # What an archive of each target kind must hold (besides manifest.json); other members the
@@ -198,7 +198,7 @@ class Module:
         self._weights[:] = np.frombuffer(members["weights.bin"], np.uint8)
         # Plans run one at a time on a module: the largest workspace serves them all.
         self._workspace_owner, self._workspace = _aligned_buffer(plan["workspace_bytes"])
-        set_num_threads(num_threads or int(os.environ.get("KILN_NUM_THREADS", os.cpu_count())))
+        set_num_threads(num_threads or default_threads())
 
     def _checked(self, inputs: Mapping[str, np.ndarray]) -> tuple[_Plan, list[np.ndarray], int]:
         """(the plan to run, its input arrays, the request's batch)."""

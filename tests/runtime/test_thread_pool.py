@@ -1,0 +1,134 @@
+"""Kiln's thread pool (codegen/kiln_pool.c), which every kernel library links: parallel loops
+compute the same values at any thread count, from several Python threads at once, and in a
+forked child; the libraries no longer need OpenMP's runtime."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from compiler_core import te
+from compiler_core.codegen.llvm import build_module
+from compiler_core.codegen.native import emit_object, link_shared
+from compiler_core.loop import interpreter
+from compiler_core.loop.ir import Unary
+from compiler_core.runtime.library import KernelLibrary, default_threads, set_num_threads
+from compiler_core.schedule.primitives import Parallel, Vectorize, apply
+from compiler_core.target import host_target
+
+ROWS, COLS = 257, 48  # an odd row count: the last chunk is short
+
+
+def parallel_kernel():
+    x = te.placeholder((ROWS, COLS), "float32", "x")
+    out = te.compute((ROWS, COLS), lambda i, j: Unary("tanh", x[i, j]) * 3.0 + x[i, j], "out")
+    func = te.lower([x], [out], "rows")
+    return apply(func, [Parallel("out_i0"), Vectorize("out_i1")])
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    target = host_target()
+    obj = emit_object(build_module([parallel_kernel()], target), target)
+    path = link_shared([obj], tmp_path_factory.mktemp("pool") / "pool.so")
+    yield KernelLibrary(path)
+    set_num_threads(default_threads())
+
+
+def inputs(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((ROWS, COLS)).astype(np.float32)
+
+
+def expected(x: np.ndarray) -> np.ndarray:
+    args = {"x": x.copy(), "out": np.zeros_like(x)}
+    interpreter.run(parallel_kernel(), args)
+    return args["out"]
+
+
+def run(library: KernelLibrary, x: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(x)
+    library.call("rows", [x, out])
+    return out
+
+
+def test_the_library_links_no_openmp_runtime(library):
+    dynamic = subprocess.run(
+        ["readelf", "-d", str(library.path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "NEEDED" in dynamic and "gomp" not in dynamic
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_any_thread_count_computes_the_same_values(library, threads):
+    """More threads than cores included: a worker the OS runs late finds the loop done."""
+    set_num_threads(threads)
+    x = inputs(threads)
+    want = expected(x)
+    for _ in range(20):
+        np.testing.assert_allclose(run(library, x), want, rtol=2e-6, atol=1e-6)
+
+
+def test_python_threads_share_one_library(library):
+    """A caller that finds the pool busy runs its loop alone; nothing is lost or mixed up."""
+    set_num_threads(2)
+    cases = [inputs(100 + k) for k in range(4)]
+    wants = [expected(x) for x in cases]
+    failures = []
+
+    def work(k):
+        for _ in range(50):
+            if not np.allclose(run(library, cases[k]), wants[k], rtol=2e-6, atol=1e-6):
+                failures.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and failures == []
+
+
+def _child(library_path: str, seed: int, queue) -> None:
+    x = inputs(seed)
+    queue.put(float(run(KernelLibrary(library_path), x).sum()))
+
+
+def test_a_forked_child_starts_its_own_workers(library):
+    """The parent's workers do not survive fork(): the child must not wait for them."""
+    set_num_threads(2)
+    x = inputs(7)
+    run(library, x)  # the parent's workers exist now
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(str(library.path), 7, queue))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in a parallel loop")
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == pytest.approx(float(expected(x).sum()), rel=1e-5)
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_libraries_loaded_later_run_on_the_first_ones_pool(library, tmp_path):
+    """A second module in the process starts no workers of its own: one set of workers
+    per process, not one per library spinning against each other."""
+    set_num_threads(2)
+    x = inputs(3)
+    run(library, x)
+    before = thread_count()
+    target = host_target()
+    obj = emit_object(build_module([parallel_kernel()], target), target)
+    second = KernelLibrary(link_shared([obj], tmp_path / "second.so"))
+    for _ in range(10):
+        np.testing.assert_allclose(run(second, x), expected(x), rtol=2e-6, atol=1e-6)
+    assert thread_count() == before
