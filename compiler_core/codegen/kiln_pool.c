@@ -22,7 +22,9 @@
    task alone, which the self-scheduling task allows. After fork() the child starts with no
    workers and creates its own on its first parallel loop. */
 
+#define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
@@ -46,6 +48,7 @@ static atomic_ulong open_task;    /* the generation that workers may still join;
 static atomic_int active;         /* workers inside the current task */
 static atomic_int sleeping;       /* workers waiting on `wake` */
 static atomic_int arrived;        /* workers that saw the current task published */
+static atomic_int caller_cpu = -1; /* where the caller that woke sleeping workers runs */
 static atomic_int wanted = 1;     /* threads per parallel loop, the caller included */
 static int started;               /* workers created (guarded by `grow`) */
 static kiln_task task_fn;
@@ -66,6 +69,34 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
+/* A worker woken from sleep is often placed on the CPU of the thread that woke it (the other
+   vCPU of a VM looks busy to the guest while the host has it parked). There it waits until
+   the caller's time slice ends (about 7 ms, measured) and then competes with the caller for
+   that CPU while the other one idles. So a woken worker on the caller's CPU moves itself to
+   the others (its affinity stays so until it sleeps again, when it gets all of them back). */
+static __thread cpu_set_t allowed;
+static __thread int allowed_known;
+
+static void leave_callers_cpu(void) {
+    int cpu = atomic_load(&caller_cpu);
+    if (cpu < 0 || sched_getcpu() != cpu)
+        return;
+    if (!allowed_known) {
+        if (pthread_getaffinity_np(pthread_self(), sizeof allowed, &allowed) != 0)
+            return;
+        allowed_known = 1;
+    }
+    cpu_set_t others = allowed;
+    CPU_CLR(cpu, &others);
+    if (CPU_COUNT(&others) > 0)
+        pthread_setaffinity_np(pthread_self(), sizeof others, &others);
+}
+
+static void restore_affinity(void) {
+    if (allowed_known)
+        pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed);
+}
+
 static unsigned long wait_for_task(unsigned long seen) {
     unsigned long now;
     long until = now_ns() + KILN_SPIN_NS;
@@ -77,18 +108,21 @@ static unsigned long wait_for_task(unsigned long seen) {
         if (spin % KILN_SPIN_CHECK == 0 && now_ns() > until)
             break;
     }
+    restore_affinity();
     pthread_mutex_lock(&sleep_lock);
     atomic_fetch_add(&sleeping, 1);
     while ((now = atomic_load(&generation)) == seen)
         pthread_cond_wait(&wake, &sleep_lock);
     atomic_fetch_sub(&sleeping, 1);
     pthread_mutex_unlock(&sleep_lock);
+    leave_callers_cpu();
     return now;
 }
 
 static void *worker_main(void *arg) {
     int index = (int)(intptr_t)arg;  /* 1 .. started; the caller is 0 */
     unsigned long seen = atomic_load(&generation);
+    leave_callers_cpu(); /* a new thread starts beside its creator, as a woken one does */
     for (;;) {
         seen = wait_for_task(seen);
         atomic_fetch_add(&arrived, 1);
@@ -146,8 +180,10 @@ void kiln_pool_run(kiln_task fn, void *data) {
         return;
     }
     pthread_once(&once, register_fork_handler);
-    if (started < threads - 1)
+    if (started < threads - 1) {
+        atomic_store(&caller_cpu, sched_getcpu());
         start_workers(threads);
+    }
     task_fn = fn;
     task_data = data;
     unsigned long next = atomic_load(&generation) + 1;
@@ -156,6 +192,7 @@ void kiln_pool_run(kiln_task fn, void *data) {
     atomic_store(&generation, next);
     int woken = atomic_load(&sleeping);
     if (woken > 0) {
+        atomic_store(&caller_cpu, sched_getcpu());
         pthread_mutex_lock(&sleep_lock);
         pthread_cond_broadcast(&wake);
         pthread_mutex_unlock(&sleep_lock);
@@ -166,7 +203,7 @@ void kiln_pool_run(kiln_task fn, void *data) {
        these VMs, measured), which would leave the next calls to the caller alone. Workers
        that were spinning are never waited for unless they joined. */
     while (atomic_load(&arrived) < woken)
-        relax();
+        sched_yield(); /* the woken worker may be waiting for this CPU */
     atomic_store(&open_task, 0);
     while (atomic_load(&active) > 0)
         relax();

@@ -54,6 +54,8 @@ def set_num_threads(count: int) -> None:
     _THREADS = max(int(count), 1)
     for library in list(_LIBRARIES):
         library.set_threads(_THREADS)
+    if _POOL_HOST is not None:  # its KernelLibrary may be gone; its pool runs every library's
+        _POOL_HOST.kiln_pool_set_threads(ctypes.c_int(_THREADS))
     gomp = openmp_runtime()
     if gomp is not None:
         gomp.omp_set_num_threads(_THREADS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -132,3 +133,36 @@ def test_libraries_loaded_later_run_on_the_first_ones_pool(library, tmp_path):
     for _ in range(10):
         np.testing.assert_allclose(run(second, x), expected(x), rtol=2e-6, atol=1e-6)
     assert thread_count() == before
+
+
+SCRIPT = """
+import gc, os, sys
+import numpy as np
+from compiler_core.runtime.library import KernelLibrary, set_num_threads
+from tests.runtime.test_thread_pool import inputs, run
+first, second = sys.argv[1:]
+set_num_threads(1)
+library = KernelLibrary(first)
+run(library, inputs(0))
+del library
+gc.collect()
+set_num_threads(2)
+before = len(os.listdir("/proc/self/task"))
+run(KernelLibrary(second), inputs(0))
+print(before, len(os.listdir("/proc/self/task")))
+"""
+
+
+def test_the_thread_count_reaches_the_pool_after_its_first_library_is_gone(library, tmp_path):
+    """The first library's pool serves the process even when its KernelLibrary object has
+    been collected (a compile's verification run, say): set_num_threads must still reach it,
+    or every later module runs on one thread."""
+    target = host_target()
+    obj = emit_object(build_module([parallel_kernel()], target), target)
+    paths = [str(link_shared([obj], tmp_path / f"lib{k}.so")) for k in range(2)]
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, *paths], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    before, after = map(int, result.stdout.split()[-2:])
+    assert after == before + 1  # the pool's worker
