@@ -164,9 +164,10 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         raise KernelError(f"node {node.name!r}: a grouped blocked conv reads data in its block")
     weights = _padded_filters(weights, out.shape[1] * block, x.shape[1], data_block, group)
     m, cg = weights.shape[:2]
+    group_blocks = _group_blocks(m, cg, group, block, data_block, depthwise)
     pads, strides, dilations = spatial_params(node, nsp)
     width = out.shape[-2]
-    row = nchwc_row_width(width, block, depthwise, m // block, ctx.target)
+    row = nchwc_row_width(width, block, depthwise, m // block, ctx.target, group_blocks)
     # Zero input past the end for the extra pixels of a padded row.
     pads = (*pads[: 2 * nsp - 1], pads[2 * nsp - 1] + (row - width) * strides[-1])
     padded = _padded(ctx, node, x, pads, 0.0, nsp=nsp)
@@ -225,7 +226,12 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
 
     shape = (*out.shape[:-2], row, block)
     conv = compute(shape, body, ctx.stage_name(node), out.dtype)
-    ctx.note(conv.name, layout="nchwc_depthwise" if depthwise else "nchwc", block=block)
+    ctx.note(
+        conv.name,
+        layout="nchwc_depthwise" if depthwise else "nchwc",
+        block=block,
+        group_blocks=group_blocks,
+    )
     has_bias = len(node.inputs) > 2 and node.inputs[2]
     if not has_bias and row == width:
         return [conv]
@@ -240,6 +246,17 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         return value + bias[(mo, rest[-1])] if bias is not None else value
 
     return [compute(out.shape, result, ctx.stage_name(node))]
+
+
+def _group_blocks(m: int, cg: int, group: int, block: int, data_block: int, depthwise: bool):
+    """Consecutive output blocks that read the same input (a register tile spanning them
+    shares each input broadcast): all of them ungrouped, a group's when a group holds whole
+    blocks, else 1 (depthwise, or several groups per block: each block reads its own)."""
+    if group == 1:
+        return m // block
+    if depthwise or cg < data_block:
+        return 1
+    return max(m // group // block, 1)
 
 
 def _block_diagonal(weights, block: int):

@@ -286,11 +286,12 @@ def test_anchor_groups_get_their_tiled_schedules():
 
 @pytest.mark.parametrize(
     ("width", "tile"),
-    [(56, (4, 2)), (28, (4, 2)), (14, (7, 1)), (7, (7, 1))],
+    [(56, (4, 2)), (28, (4, 2)), (14, (2, 4)), (7, (4, 2)), (1599, (4, 2)), (3, (3, 2))],
 )
 def test_the_default_conv_tile_has_the_most_accumulators(width, tile):
     """AVX2, 8-channel blocks, 32 output blocks: two blocks per tile when that holds as many
-    accumulators as one; a 14-pixel row takes 7 pixels x 1 block, not 2 x 2."""
+    accumulators as one; rows whose divisors give fewer than FMA_CHAINS accumulators (7 x 1
+    on 14 and 7 pixels) take 2 pixels x 4 blocks, or 4 x 2 with a partial last tile."""
     import dataclasses
 
     from compiler_core.kernels.schedules import nchwc_default_tile
@@ -298,3 +299,15 @@ def test_the_default_conv_tile_has_the_most_accumulators(width, tile):
     target = dataclasses.replace(host_target(), features="+avx2,+fma")
     assert (target.vector_lanes, target.vector_registers) == (8, 16)
     assert nchwc_default_tile(width, 8, False, 32, target) == tile
+
+
+def test_a_latency_tile_keeps_its_blocks_in_one_group():
+    """Two output blocks per group (ResNeXt's grouped 3x3): a 4-block tile would span two
+    groups and share no input broadcast, so a 14-pixel row takes 4 pixels x 2 blocks."""
+    import dataclasses
+
+    from compiler_core.kernels.schedules import nchwc_default_tile
+
+    target = dataclasses.replace(host_target(), features="+avx2,+fma")
+    assert nchwc_default_tile(14, 8, False, 64, target, group_blocks=2) == (4, 2)
+    assert nchwc_default_tile(14, 8, False, 64, target, group_blocks=64) == (2, 4)
