@@ -357,12 +357,18 @@ def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
     chunks = (1,)
     if not depthwise:  # a depthwise block reads only its own channels
         chunks = tuple(k for k in range(1, blocks + 1) if blocks % k == 0)
+    default_chunk = _default_mo_chunk(conv, chunks, default_blocks)
+    latency = _latency_tile(width, block, group_blocks or blocks, target)
+    if not depthwise and latency == (default_tile, default_blocks):
+        # A latency tile's blocks are its chunk: a 1-D conv's 4 x 2 tile ran at 150 GFLOP/s
+        # in chunks of 2 blocks and at 91 in the 8 that fit NCHWC_CHUNK_BYTES (AVX2, Zen 3).
+        default_chunk = default_blocks
     pairs = (1,)
     if not depthwise:  # channel blocks per tile
         pairs += tuple(b for b in (2, 4) if blocks % b == 0 and most >= b)
     knobs = [
         Knob("tile", tiles, default_tile),
-        Knob("mo_chunk", chunks, _default_mo_chunk(conv, chunks, default_blocks)),
+        Knob("mo_chunk", chunks, default_chunk),
         Knob("mo_tile", pairs, default_blocks),
         Knob("parallel", ("mo_y", "mo_y_x"), "mo_y"),
         # A depthwise tile loads an input vector per pixel and tap: with the row's taps
