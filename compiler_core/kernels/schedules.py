@@ -261,8 +261,22 @@ def nchwc_default_tile(
     target: Target,
     group_blocks: int | None = None,
 ) -> tuple[int, int]:
-    """The default register tile of a row of `width` pixels: (pixels, channel blocks), or 0
-    pixels when no good tile divides the row (see nchwc_row_width).
+    """(pixels, channel blocks) of the default register tile: see `_default_tile`."""
+    tile, blocks, _ = _default_tile(width, block, depthwise, out_blocks, target, group_blocks)
+    return tile, blocks
+
+
+def _default_tile(
+    width: int,
+    block: int,
+    depthwise: bool,
+    out_blocks: int,
+    target: Target,
+    group_blocks: int | None,
+) -> tuple[int, int, bool]:
+    """The default register tile of a row of `width` pixels: (pixels, channel blocks, whether
+    it is a latency tile), or 0 pixels when no good tile divides the row (see
+    nchwc_row_width).
 
     Two channel blocks per tile when the blocks pair up (not for a depthwise conv, whose
     blocks share no input): each input broadcast then feeds two FMAs, which took 15-33% off
@@ -284,13 +298,13 @@ def nchwc_default_tile(
     if not depthwise and (best is None or best[0] < FMA_CHAINS):
         latency_tile = _latency_tile(width, block, group_blocks or out_blocks, target)
         if latency_tile:
-            return latency_tile
+            return (*latency_tile, True)
     if best:
         _, blocks, divisor = best
-        return divisor, blocks
+        return divisor, blocks, False
     if width <= preferred // options[0]:
-        return width, options[0]
-    return 0, options[0]
+        return width, options[0], False
+    return 0, options[0], False
 
 
 # Accumulators a register tile needs to keep the FMA pipes busy: FMA latency (4 cycles) x
@@ -346,7 +360,7 @@ def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
     depthwise = conv.note("layout") == "nchwc_depthwise"
     most = _nchwc_most(block, target)
     group_blocks = conv.note("group_blocks")
-    default_tile, default_blocks = nchwc_default_tile(
+    default_tile, default_blocks, latency = _default_tile(
         width, block, depthwise, blocks, target, group_blocks
     )
     if not default_tile:  # a row the builder did not pad: the largest tile that divides it
@@ -358,8 +372,7 @@ def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
     if not depthwise:  # a depthwise block reads only its own channels
         chunks = tuple(k for k in range(1, blocks + 1) if blocks % k == 0)
     default_chunk = _default_mo_chunk(conv, chunks, default_blocks)
-    latency = _latency_tile(width, block, group_blocks or blocks, target)
-    if not depthwise and latency == (default_tile, default_blocks):
+    if latency:
         # A latency tile's blocks are its chunk: a 1-D conv's 4 x 2 tile ran at 150 GFLOP/s
         # in chunks of 2 blocks and at 91 in the 8 that fit NCHWC_CHUNK_BYTES (AVX2, Zen 3).
         default_chunk = default_blocks
