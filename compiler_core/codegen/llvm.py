@@ -519,6 +519,9 @@ class FunctionEmitter:
         if isinstance(e, Unary):
             return self._unary(b, e.op, e.dtype, self._expr(b, scope, e.a))
         if isinstance(e, Select):
+            known = _static_truth(scope, e.cond)
+            if known is not None:  # a select on an unrolled loop's index: emit one branch
+                return self._expr(b, scope, e.a if known else e.b)
             cond = self._expr(b, scope, e.cond)
             x, y = self._match(b, self._expr(b, scope, e.a), self._expr(b, scope, e.b))
             if isinstance(x.type, ir.VectorType) and not isinstance(cond.type, ir.VectorType):
@@ -871,3 +874,44 @@ def build_module(funcs: Sequence[PrimFunc], target: Target, name: str = "kiln") 
     for func in funcs:
         FunctionEmitter(module, func).emit()
     return module
+
+
+_STATIC_ARITHMETIC = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "floordiv": lambda a, b: a // b if b else None,
+    "mod": lambda a, b: a % b if b else None,
+}
+_STATIC_COMPARISONS = {
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+}
+
+
+def _static_index(scope: _Scope, e: Expr) -> int | None:
+    """The value of an index expression over constants and unrolled loops' indices (bound to
+    integer constants), or None when it varies at run time."""
+    if isinstance(e, Const) and e.dtype == INDEX:
+        return int(e.value)
+    if isinstance(e, Var):
+        value = scope.values.get(e.name)
+        if isinstance(value, ir.Constant) and isinstance(value.type, ir.IntType):
+            return int(value.constant)
+        return None
+    if isinstance(e, Binary) and e.op in _STATIC_ARITHMETIC and e.dtype == INDEX:
+        a, b = _static_index(scope, e.a), _static_index(scope, e.b)
+        return None if a is None or b is None else _STATIC_ARITHMETIC[e.op](a, b)
+    return None
+
+
+def _static_truth(scope: _Scope, e: Expr) -> bool | None:
+    """Whether a condition holds, when `_static_index` knows its operands (else None)."""
+    if isinstance(e, Binary) and e.op in _STATIC_COMPARISONS:
+        a, b = _static_index(scope, e.a), _static_index(scope, e.b)
+        return None if a is None or b is None else _STATIC_COMPARISONS[e.op](a, b)
+    return None

@@ -20,6 +20,7 @@ from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
 from compiler_core.kernels.schedules import gemm_row_tile, nchwc_row_width
+from compiler_core.kernels.winograd import conv_tile, input_padding, tile_grid, winograd_conv
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_min, reduce_sum
 
@@ -166,6 +167,10 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
     m, cg = weights.shape[:2]
     group_blocks = _group_blocks(m, cg, group, block, data_block, depthwise)
     pads, strides, dilations = spatial_params(node, nsp)
+    if data_block and nsp == 2:
+        tile = conv_tile(kernel, strides, dilations, group, real_cg, real_m, *out.shape[2:4])
+        if tile:
+            return _winograd(ctx, node, x, weights, tile, pads, data_block, block)
     width = out.shape[-2]
     row = nchwc_row_width(width, block, depthwise, m // block, ctx.target, group_blocks)
     # Zero input past the end for the extra pixels of a padded row.
@@ -232,20 +237,47 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         block=block,
         group_blocks=group_blocks,
     )
-    has_bias = len(node.inputs) > 2 and node.inputs[2]
-    if not has_bias and row == width:
+    bias = _blocked_bias(ctx, node, m, block)
+    if bias is None and row == width:
         return [conv]
-    bias = None
-    if has_bias:
-        values = np.zeros(m, out.dtype)  # padding lanes: zero bias, as zero filters
-        values[:real_m] = ctx.constant(node.inputs[2])
-        bias = ctx.packed(node.inputs[2], f"bias{block}", values.reshape(m // block, block))
 
     def result(n, mo, *rest):
         value = conv[(n, mo, *rest)]
         return value + bias[(mo, rest[-1])] if bias is not None else value
 
     return [compute(out.shape, result, ctx.stage_name(node))]
+
+
+def _blocked_bias(ctx: KernelContext, node: Node, channels: int, block: int) -> Tensor | None:
+    """A conv's bias as [M/b, b], zero for the padding lanes (as their filters are), or None."""
+    if len(node.inputs) < 3 or not node.inputs[2]:
+        return None
+    bias = ctx.constant(node.inputs[2])
+    values = np.zeros(channels, bias.dtype)
+    values[: bias.shape[0]] = bias
+    return ctx.packed(node.inputs[2], f"bias{block}", values.reshape(channels // block, block))
+
+
+def _winograd(
+    ctx: KernelContext, node: Node, x: Tensor, weights, tile: int, pads, data_block, block
+) -> list[Tensor]:
+    """A blocked 3x3 conv as Winograd F(tile x tile, 3 x 3) (see kernels/winograd.py). The
+    GEMM's row of tiles is padded to a good register tile as a direct conv's row is."""
+    out = ctx.type(node.outputs[0])
+    out_blocks = weights.shape[0] // block
+    positions = (tile + 2) ** 2
+
+    def row_width(tiles: int) -> int:
+        gemm_blocks = positions * out_blocks
+        return nchwc_row_width(tiles, block, False, gemm_blocks, ctx.target, out_blocks)
+
+    grid = tile_grid(out.shape[2], out.shape[3], tile, row_width)
+    padding = input_padding(pads, x.shape[2], x.shape[3], grid)
+    padded = _padded(ctx, node, x, padding, 0.0, nsp=2)
+    bias = _blocked_bias(ctx, node, weights.shape[0], block)
+    return winograd_conv(
+        ctx, node, padded, weights, grid, data_block, block, bias, out.shape, out.dtype
+    )
 
 
 def _group_blocks(m: int, cg: int, group: int, block: int, data_block: int, depthwise: bool):

@@ -665,6 +665,73 @@ def blocked_pool_schedule(
     return [*records, Parallel(cb)]
 
 
+def winograd_tile(out_h: int, out_w: int, in_channels: int, out_channels: int) -> int:
+    """The output tile m of a Winograd F(m x m, 3 x 3) conv for a 3x3 stride-1 conv of blocked
+    data, or 0 for the direct conv. F(4x4) takes 4x fewer multiplications than the direct
+    conv, and its transforms cost about 1/M (input) and 1/C (output) of its GEMMs: worth it
+    with WINOGRAD_MIN_CHANNELS on both sides. Each of its 36 GEMMs reads its own transformed
+    filters (4x the direct conv's weights) for a row of tiles: with fewer than
+    WINOGRAD_MIN_TILES tiles (a 7x7 image has 4) they stream more weights than they compute."""
+    if min(in_channels, out_channels) < WINOGRAD_MIN_CHANNELS:
+        return 0
+    tiles = -(-out_h // 4) * -(-out_w // 4)
+    return 4 if tiles >= WINOGRAD_MIN_TILES else 0
+
+
+WINOGRAD_MIN_CHANNELS = 32
+WINOGRAD_MIN_TILES = 16
+
+
+def winograd_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
+    """V[n, p, cb, tile, ci]: per tile and channel block, its window's row transforms (the
+    `winograd_rows` stage, alpha^2 vectors computed in the tile's loop, kept in L1), then the
+    alpha^2 positions unrolled, each a short sum of those vectors; the channels one vector;
+    parallel over blocks x tiles."""
+    n, p, cb, tile, ci = (stage.loop(k) for k in range(5))
+    rows = stage.note("winograd_rows")
+    return [
+        Reorder((n, cb, tile, p, ci)),
+        ComputeAt(rows, tile),
+        *_unrolled_vectors(rows, 6),
+        Unroll(p),
+        Vectorize(ci),
+        Fuse(cb, tile),
+        Parallel(f"{cb}_{tile}_f"),
+    ]
+
+
+def winograd_output_schedule(
+    stage: StageInfo, epilogue: StageInfo | None, target: Target
+) -> list[Record]:
+    """Y[n, mb, h, w, mo] by m x m tiles: per tile its column transforms (the
+    `winograd_columns` stage, computed in the tile's loop), then the tile's pixels unrolled,
+    each a short sum of those; the channels one vector, the epilogue applied before the
+    store; parallel over output blocks x tile rows."""
+    m = stage.note("winograd_output")
+    n, mb, h, w, mo = (stage.loop(k) for k in range(5))
+    columns = stage.note("winograd_columns")
+    records: list[Record] = [
+        Split(h, m),
+        Split(w, m),
+        Reorder((n, mb, f"{h}_o", f"{w}_o", f"{h}_i", f"{w}_i", mo)),
+        ComputeAt(columns, f"{w}_o"),
+        *_unrolled_vectors(columns, 6),
+        Unroll(f"{h}_i"),
+        Unroll(f"{w}_i"),
+        Vectorize(mo),
+    ]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    return [*records, Fuse(mb, f"{h}_o"), Parallel(f"{mb}_{h}_o_f")]
+
+
+def _unrolled_vectors(stage: str, rank: int) -> list[Record]:
+    """A stage computed at a loop (its loops named `_at`): its two tile axes unrolled, its
+    channel axis (the last) one vector."""
+    loops = [f"{stage}_i{k}_at" for k in range(rank)]
+    return [Unroll(loops[-3]), Unroll(loops[-2]), Vectorize(loops[-1])]
+
+
 def _output_row_tile(width: int, target: Target) -> int:
     """Output elements along a row held as accumulators over a whole reduction: the whole row
     when it fits the registers (a vector of any length: LLVM splits it into registers and one
@@ -893,6 +960,13 @@ def schedule_for(
         elif stage.note("pool") == "blocked" and stage.shape[-1] == target.vector_lanes:
             records += blocked_pool_schedule(stage, epilogue, target)
             handled |= {stage.name, stage.note("padded")}
+        elif stage.note("winograd_input"):
+            records += winograd_input_schedule(stage, target)
+            handled |= {stage.name, stage.note("winograd_rows")}
+            continue
+        elif stage.note("winograd_output"):
+            records += winograd_output_schedule(stage, epilogue, target)
+            handled |= {stage.name, stage.note("winograd_columns")}
         elif stage.note("vector_inner") and stage.shape[-1] > 1:
             records += inner_vector_reduction_schedule(stage, epilogue, target)
             handled.add(stage.name)

@@ -30,7 +30,9 @@ from __future__ import annotations
 from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
 from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout, blocks_for, to_blocked
+from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.graph.ops.reduce import reduce_axes
+from compiler_core.kernels.winograd import conv_tile
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
@@ -156,10 +158,11 @@ class _Rewriter:
 
     def _blocked_conv(self, node: Node, block: int) -> None:
         x = node.inputs[0]
-        # A grouped (or depthwise) conv reads data in its own block; any other conv reads data
-        # in the block its producer wrote, or plain.
-        grouped = node.attr("group", 1) > 1
-        data_block = block if grouped else self._block_available(x)
+        # A grouped (or depthwise) conv reads data in its own block, as does a Winograd conv
+        # (its input transform vectorizes over a block); any other conv reads data in the
+        # block its producer wrote, or plain.
+        own_block = node.attr("group", 1) > 1 or _winograd(self.graph, node)
+        data_block = block if own_block else self._block_available(x)
         data = self.as_blocked(x, data_block) if data_block else self.as_plain(x)
         attrs = {
             **node.attr_dict,
@@ -234,6 +237,15 @@ def _channels_aligned(operand: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     if len(operand) != len(shape) or operand[1] != shape[1]:
         return False
     return all(d in (1, full) for d, full in zip(operand, shape, strict=True))
+
+
+def _winograd(graph: Graph, node: Node) -> bool:
+    """Whether the conv's kernel will run as Winograd (`kernels/winograd.py`)."""
+    w, out = graph.types[node.inputs[1]].shape, graph.types[node.outputs[0]].shape
+    if len(w) != 4:
+        return False
+    _, strides, dilations = spatial_params(node, 2)
+    return bool(conv_tile(w[2:], strides, dilations, node.attr("group", 1), w[1], w[0], *out[2:]))
 
 
 def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...], data_blocked=False) -> int:

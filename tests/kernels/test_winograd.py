@@ -1,0 +1,120 @@
+"""Winograd F(m x m, 3 x 3) convolutions (kernels/winograd.py): the transform matrices against
+a direct 3x3 correlation, the rule that picks the algorithm, and whole convs through native
+code against ONNX Runtime (padded channel blocks, tiles past the image's edge, fused
+epilogues, batch 2, data the layout pass blocks for it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+import compiler_core
+from compiler_core.build import lower_group
+from compiler_core.frontend.onnx import import_model
+from compiler_core.kernels.winograd import TRANSFORMS, conv_tile, transformed_filters
+from compiler_core.passes.pipeline import optimize
+from compiler_core.runtime import load
+from compiler_core.target import host_target
+from tests.conftest import FLOAT, assert_close_to_scale, make_model
+
+RNG = np.random.default_rng(23)
+
+
+def rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("m", sorted(TRANSFORMS))
+def test_transform_matrices_compute_a_3x3_correlation(m):
+    """A^T [(G g G^T) * (B^T d B)] A is the m x m valid correlation of an alpha x alpha window
+    d with a 3x3 filter g."""
+    t = TRANSFORMS[m]
+    bt, at = np.asarray(t.bt, np.float64), np.asarray(t.at, np.float64)
+    d = RNG.standard_normal((t.alpha, t.alpha))
+    g = RNG.standard_normal((3, 3))
+    u = transformed_filters(g[None, None], t).astype(np.float64)  # float64 in, float64 out
+    u = u.reshape(t.alpha, t.alpha)
+    winograd = at @ (u * (bt @ d @ bt.T)) @ at.T
+    direct = np.array(
+        [[np.sum(d[i : i + 3, j : j + 3] * g) for j in range(m)] for i in range(m)]
+    )
+    np.testing.assert_allclose(winograd, direct, rtol=1e-10, atol=1e-10)
+
+
+def test_algorithm_rule():
+    """Winograd for dense 3x3 stride-1 convs with enough channels and tiles; direct for a
+    strided, dilated or grouped conv, few channels, or a 7x7 image (4 tiles of 4x4)."""
+    args = dict(strides=(1, 1), dilations=(1, 1), group=1)
+    assert conv_tile((3, 3), **args, in_channels=64, out_channels=64, out_h=56, out_w=56) == 4
+    assert conv_tile((3, 3), **args, in_channels=256, out_channels=256, out_h=14, out_w=14) == 4
+    assert conv_tile((3, 3), **args, in_channels=512, out_channels=512, out_h=7, out_w=7) == 0
+    assert conv_tile((3, 3), **args, in_channels=16, out_channels=64, out_h=56, out_w=56) == 0
+    assert conv_tile((5, 5), **args, in_channels=64, out_channels=64, out_h=56, out_w=56) == 0
+    strided = {**args, "strides": (2, 2)}
+    assert conv_tile((3, 3), **strided, in_channels=64, out_channels=64, out_h=28, out_w=28) == 0
+    dilated = {**args, "dilations": (2, 2)}
+    assert conv_tile((3, 3), **dilated, in_channels=64, out_channels=64, out_h=28, out_w=28) == 0
+    grouped = {**args, "group": 2}
+    assert conv_tile((3, 3), **grouped, in_channels=32, out_channels=64, out_h=28, out_w=28) == 0
+
+
+def winograd_chain(c, m, size, batch=1, pads=(1, 1, 1, 1), bias=True, residual=False):
+    """Conv 3x3 (c -> c) -> Relu -> Conv 3x3 (c -> m, `pads`) [+ bias] [+ x] -> Relu."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[1] * 4),
+        helper.make_node("Relu", ["a"], ["r"], name="relu1"),
+        helper.make_node("Conv", ["r", "w2", *(["b2"] if bias else [])], ["b"], name="c2",
+                         pads=list(pads)),
+    ]  # fmt: skip
+    last = "b"
+    if residual:
+        nodes.append(helper.make_node("Add", ["b", "x"], ["s"], name="add"))
+        last = "s"
+    nodes.append(helper.make_node("Relu", [last], ["y"], name="relu2"))
+    out_h = size + pads[0] + pads[2] - 2
+    out_w = size + pads[1] + pads[3] - 2
+    weights = {"w1": rand(c, c, 3, 3, scale=0.1), "w2": rand(m, c, 3, 3, scale=0.1)}
+    if bias:
+        weights["b2"] = rand(m)
+    return make_model(
+        nodes,
+        [("x", FLOAT, [batch, c, size, size])],
+        [("y", FLOAT, [batch, m, out_h, out_w])],
+        weights,
+    )
+
+
+CASES = {
+    # 16 tiles of 4x4 exactly.
+    "whole_tiles": lambda: winograd_chain(32, 32, 16),
+    # 13x13: the last row and column of tiles hang past the image; 40 outputs fill 8-lane blocks.
+    "partial_tiles_40_channels": lambda: winograd_chain(32, 40, 13),
+    # 48 input channels into 36 outputs: a padded last output block.
+    "padded_output_block": lambda: winograd_chain(48, 36, 17, bias=False),
+    "residual_add": lambda: winograd_chain(32, 32, 18, residual=True),
+    "batch_of_two": lambda: winograd_chain(32, 32, 15, batch=2),
+    "asymmetric_pads": lambda: winograd_chain(32, 32, 17, pads=(0, 1, 2, 0)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_winograd_conv_matches_onnxruntime(name):
+    model = CASES[name]()
+    graph = optimize(import_model(model), target=host_target())
+    convs = [n for n in graph.nodes if n.op == "Conv"]
+    # Both convs read blocked data: the first one's plain input is transformed for it.
+    assert all(n.attr("data_layout", "NCHW")[-1] == "c" for n in convs), name
+    stages = [
+        stage.name
+        for index, group in enumerate(graph.groups)
+        for stage in lower_group(graph, group, index, host_target()).stages
+    ]
+    assert sum(name.startswith("wgin") for name in stages) == 2, stages
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = {"x": rand(*shape)}
+    module = load(compiler_core.compile(model))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(["y"], feeds)[0]
+    assert_close_to_scale(module.run(feeds)["y"], expected, label=name)
