@@ -37,9 +37,7 @@ def test_transform_matrices_compute_a_3x3_correlation(m):
     u = transformed_filters(g[None, None], t).astype(np.float64)  # float64 in, float64 out
     u = u.reshape(t.alpha, t.alpha)
     winograd = at @ (u * (bt @ d @ bt.T)) @ at.T
-    direct = np.array(
-        [[np.sum(d[i : i + 3, j : j + 3] * g) for j in range(m)] for i in range(m)]
-    )
+    direct = np.array([[np.sum(d[i : i + 3, j : j + 3] * g) for j in range(m)] for i in range(m)])
     np.testing.assert_allclose(winograd, direct, rtol=1e-10, atol=1e-10)
 
 
