@@ -42,12 +42,15 @@ def test_transform_matrices_compute_a_3x3_correlation(m):
 
 
 def test_algorithm_rule():
-    """Winograd for dense 3x3 stride-1 convs with enough channels and tiles; direct for a
-    strided, dilated or grouped conv, few channels, or a 7x7 image (4 tiles of 4x4)."""
+    """Winograd for dense 3x3 stride-1 convs with enough channels and tiles (4x4 tiles on
+    large images, 2x2 on small ones); direct for a strided, dilated or grouped conv, few
+    channels, or a 5x5 image (9 tiles of 2x2)."""
     args = dict(strides=(1, 1), dilations=(1, 1), group=1)
     assert conv_tile((3, 3), **args, in_channels=64, out_channels=64, out_h=56, out_w=56) == 4
-    assert conv_tile((3, 3), **args, in_channels=256, out_channels=256, out_h=14, out_w=14) == 4
-    assert conv_tile((3, 3), **args, in_channels=512, out_channels=512, out_h=7, out_w=7) == 0
+    assert conv_tile((3, 3), **args, in_channels=128, out_channels=128, out_h=28, out_w=28) == 4
+    assert conv_tile((3, 3), **args, in_channels=256, out_channels=256, out_h=14, out_w=14) == 2
+    assert conv_tile((3, 3), **args, in_channels=512, out_channels=512, out_h=7, out_w=7) == 2
+    assert conv_tile((3, 3), **args, in_channels=512, out_channels=512, out_h=5, out_w=5) == 0
     assert conv_tile((3, 3), **args, in_channels=16, out_channels=64, out_h=56, out_w=56) == 0
     assert conv_tile((5, 5), **args, in_channels=64, out_channels=64, out_h=56, out_w=56) == 0
     strided = {**args, "strides": (2, 2)}
@@ -85,15 +88,19 @@ def winograd_chain(c, m, size, batch=1, pads=(1, 1, 1, 1), bias=True, residual=F
 
 
 CASES = {
-    # 16 tiles of 4x4 exactly.
-    "whole_tiles": lambda: winograd_chain(32, 32, 16),
-    # 13x13: the last row and column of tiles hang past the image; 40 outputs fill 8-lane blocks.
-    "partial_tiles_40_channels": lambda: winograd_chain(32, 40, 13),
+    # 36 tiles of 4x4 exactly.
+    "whole_tiles": lambda: winograd_chain(32, 32, 24),
+    # 21x21: the last row and column of 4x4 tiles hang past the image; 40 outputs fill 8-lane
+    # blocks.
+    "partial_tiles_40_channels": lambda: winograd_chain(32, 40, 21),
+    # 2x2 tiles on small images: whole (8x8) and partial (7x7).
+    "small_tiles": lambda: winograd_chain(32, 32, 8),
+    "small_partial_tiles": lambda: winograd_chain(32, 48, 7),
     # 48 input channels into 36 outputs: a padded last output block.
-    "padded_output_block": lambda: winograd_chain(48, 36, 17, bias=False),
-    "residual_add": lambda: winograd_chain(32, 32, 18, residual=True),
-    "batch_of_two": lambda: winograd_chain(32, 32, 15, batch=2),
-    "asymmetric_pads": lambda: winograd_chain(32, 32, 17, pads=(0, 1, 2, 0)),
+    "padded_output_block": lambda: winograd_chain(48, 36, 25, bias=False),
+    "residual_add": lambda: winograd_chain(32, 32, 26, residual=True),
+    "batch_of_two": lambda: winograd_chain(32, 32, 23, batch=2),
+    "asymmetric_pads": lambda: winograd_chain(32, 32, 13, pads=(0, 1, 2, 0)),
 }
 
 
