@@ -132,14 +132,18 @@ def build_buckets(
     graphs: Mapping[int, Graph],
     target: Target,
     schedules: Mapping[int, dict[str, list]] | None = None,
+    choices: Mapping[int, dict[str, dict]] | None = None,
 ) -> BucketedModel:
     """Build every bucket's plan into one set of objects: kernels identical across buckets
-    compile once, equal weights are stored once."""
+    compile once, equal weights are stored once. `schedules` and `choices` (the tuner's, per
+    batch) as for `build_kernels`."""
     blob = WeightsBlob()
     plans = []
     for batch, graph in sorted(graphs.items()):
         check_batch_major(graph, batch)
-        kernels = build_kernels(graph, target, (schedules or {}).get(batch), f"b{batch}_")
+        kernels = build_kernels(
+            graph, target, (schedules or {}).get(batch), f"b{batch}_", (choices or {}).get(batch)
+        )
         memory = plan_memory(graph, kernels)
         offsets = blob.layout(weight_arrays(graph, kernels)).offsets
         plans.append(BucketPlan(batch, graph, kernels, memory, offsets))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import llvmlite.ir as ir
 import numpy as np
@@ -117,11 +117,16 @@ class LoweredGroup:
     packed: dict[str, np.ndarray]
     stages: list[StageInfo]
     target: Target  # the target it was lowered for (its vector width shaped the packing)
+    choices: dict[str, object] = dataclasses.field(default_factory=dict)  # the tuner's
 
 
-def lower_group(graph: Graph, group, index: int, target: Target) -> LoweredGroup:
+def lower_group(
+    graph: Graph, group, index: int, target: Target, choices: Mapping[str, object] | None = None
+) -> LoweredGroup:
+    """The group's tensor expressions lowered to loop IR; `choices` are the tuner's decisions
+    about its compute (`KernelContext.choice`), the builders' rules where absent."""
     nodes = [graph.node_by_name[name] for name in group.nodes]
-    ctx = KernelContext(graph, f"g{index}", target)
+    ctx = KernelContext(graph, f"g{index}", target, choices)
     for node in nodes:
         builder = KERNELS.get(node.op)
         if builder is None:
@@ -140,15 +145,23 @@ def lower_group(graph: Graph, group, index: int, target: Target) -> LoweredGroup
     func = te.lower([t for _, t in ctx.inputs], out_tensors, name)
     stages = _stage_infos(ctx, out_tensors)
     inputs = [value for value, _ in ctx.inputs]
-    return LoweredGroup(name, func, inputs, outputs, ctx.packed_arrays, stages, target)
+    return LoweredGroup(
+        name, func, inputs, outputs, ctx.packed_arrays, stages, target, dict(ctx.choices)
+    )
 
 
 def build_group(
-    graph: Graph, group, index: int, target: Target, schedule=None, prefix: str = ""
+    graph: Graph,
+    group,
+    index: int,
+    target: Target,
+    schedule=None,
+    prefix: str = "",
+    choices: Mapping[str, object] | None = None,
 ) -> GroupKernel:
     """The group's kernel; `prefix` keeps its symbol apart from other plans' in one library
-    (a batch bucket's kernels, say)."""
-    lowered = lower_group(graph, group, index, target)
+    (a batch bucket's kernels, say); `choices` as for `lower_group`."""
+    lowered = lower_group(graph, group, index, target, choices)
     if schedule is None:
         schedule = default_schedule(lowered.stages, target)
     records = list(schedule)
@@ -360,19 +373,30 @@ def dedupe(kernels: Sequence[GroupKernel]) -> list[PrimFunc]:
 
 
 def build_kernels(
-    graph: Graph, target: Target, schedules: dict[str, list] | None = None, prefix: str = ""
+    graph: Graph,
+    target: Target,
+    schedules: dict[str, list] | None = None,
+    prefix: str = "",
+    choices: dict[str, dict] | None = None,
 ) -> list[GroupKernel]:
-    """One kernel per fused group, with the schedule `schedules` gives it or the default."""
+    """One kernel per fused group, with the schedule `schedules` gives it or the default, and
+    the compute choices `choices` gives it (tuned: see `lower_group`)."""
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)
-        kernels.append(build_group(graph, group, index, target, override, prefix))
+        chosen = (choices or {}).get(group.name)
+        kernels.append(build_group(graph, group, index, target, override, prefix, chosen))
     return kernels
 
 
-def build_graph(graph: Graph, target: Target, schedules: dict[str, list] | None = None):
+def build_graph(
+    graph: Graph,
+    target: Target,
+    schedules: dict[str, list] | None = None,
+    choices: dict[str, dict] | None = None,
+):
     started = time.perf_counter()
-    kernels = build_kernels(graph, target, schedules)
+    kernels = build_kernels(graph, target, schedules, choices=choices)
     memory = plan_memory(graph, kernels)
     weights = layout_weights(graph, kernels)
     distinct = dedupe(kernels)  # first: the entry calls each kernel's shared function

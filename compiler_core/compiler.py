@@ -233,12 +233,12 @@ def compile_graph(
     if target.is_gpu:
         return compile_gpu_graph(graph, target, model_sha, verify, tuning)
     started = time.perf_counter()
-    schedules, tuned = None, {}
+    schedules, tuned, choices = None, {}, None
     if tuning is not None:
         from compiler_core.autotune.apply import tuned_schedules
 
-        schedules, tuned = tuned_schedules(graph, target, tuning)
-    compiled = build_graph(graph, target, schedules)
+        schedules, tuned, choices = tuned_schedules(graph, target, tuning)
+    compiled = build_graph(graph, target, schedules, choices)
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
         library = link_shared(compiled.objects, Path(tmp) / "model.so").read_bytes()
     compiled.compile_seconds = time.perf_counter() - started
@@ -261,7 +261,7 @@ def compile_gpu_graph(
     if tuning is not None:
         from compiler_core.autotune.apply import tuned_schedules
 
-        schedules, tuned = tuned_schedules(graph, target, tuning)
+        schedules, tuned, _ = tuned_schedules(graph, target, tuning)  # one algorithm each
     model = build_gpu_graph(graph, target, schedules)
     members = gpu_archive.members_of(model)
     plan = json.loads(members["plan.json"])
@@ -342,13 +342,13 @@ def compile_buckets(
         )
         for batch in buckets
     }
-    schedules, tuned = {}, {}
+    schedules, tuned, choices = {}, {}, {}
     if tuning is not None:
         from compiler_core.autotune.apply import tuned_schedules
 
         for batch, graph in graphs.items():
-            schedules[batch], tuned[batch] = tuned_schedules(graph, target, tuning)
-    built = build_buckets(graphs, target, schedules)
+            schedules[batch], tuned[batch], choices[batch] = tuned_schedules(graph, target, tuning)
+    built = build_buckets(graphs, target, schedules, choices)
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
         library = link_shared(built.objects, Path(tmp) / "model.so").read_bytes()
     seconds = time.perf_counter() - started

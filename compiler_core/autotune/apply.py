@@ -16,13 +16,14 @@ from compiler_core.target import Target
 
 def tuned_schedules(
     graph: Graph, target: Target, tuning: str | TuningLog, fingerprint: str | None = None
-) -> tuple[dict[str, list[Record]], dict[str, dict]]:
-    """({group name: schedule records}, {group name: what the manifest says about it}).
+) -> tuple[dict[str, list[Record]], dict[str, dict], dict[str, dict]]:
+    """({group name: schedule records}, {group name: what the manifest says about it},
+    {group name: the compute choices its builders must be told: its algorithm}).
     `fingerprint` (default: the target's) picks the measurements to apply; a GPU target's
     OpenCL-twin records have their own and apply only when asked for by it."""
     log = open_log(tuning)
     fingerprint = fingerprint or target.fingerprint
-    schedules, notes = {}, {}
+    schedules, notes, choices = {}, {}, {}
     for task in extract_tasks(graph, target):
         best = log.best(task.key, fingerprint, task.template, task.template_version)
         if best is None:
@@ -36,7 +37,10 @@ def tuned_schedules(
             "measured_us": round(best.cost * 1e6, 3),
             "gflops": round(best.gflops, 2),
         }
+        chosen = task.choices(best.config)
         for group in task.groups:
             schedules[group] = records
             notes[group] = note
-    return schedules, notes
+            if chosen:
+                choices[group] = chosen
+    return schedules, notes, choices

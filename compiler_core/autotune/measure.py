@@ -26,10 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 from compiler_core.autotune.tasks import Task
+from compiler_core.build import LoweredGroup
 from compiler_core.codegen.native import compile_kernels, link_shared
 from compiler_core.errors import UserError
 from compiler_core.schedule.primitives import apply
@@ -99,6 +101,7 @@ class Measurer:
         self._dir = tempfile.TemporaryDirectory(prefix="kiln-measure-")
         self._runner: subprocess.Popen | None = None
         self._references: dict[str, Path] = {}
+        self._input_files: dict[int, tuple[LoweredGroup, Path]] = {}
 
     @property
     def fingerprint(self) -> str:
@@ -125,7 +128,7 @@ class Measurer:
         outcomes: list[Path | Result] = []
         for config in configs:
             try:
-                funcs.append(apply(task.lowered.func, task.records(config)))
+                funcs.append(apply(task.lowered_for(config).func, task.records(config)))
                 slots.append(len(outcomes))
                 outcomes.append(Result(error="build_error"))
             except Exception as err:  # noqa: BLE001 - a config the schedule refuses
@@ -148,7 +151,8 @@ class Measurer:
         from compiler_core.gpu.verify import GpuScheduleError, verify_device
 
         try:
-            kernels, scratch = device_kernels(apply(task.lowered.func, task.records(config)))
+            func = apply(task.lowered_for(config).func, task.records(config))
+            kernels, scratch = device_kernels(func)
             for kernel in kernels:
                 verify_device(kernel.func, self.target)
         except GpuScheduleError as err:  # over a limit, or a race: the numbers, not the listing
@@ -169,35 +173,64 @@ class Measurer:
     def measure(self, task: Task, configs: Sequence[dict]) -> list[Result]:
         reference = self._reference(task)
         results = []
-        for built in self.build(task, configs):
+        for config, built in zip(configs, self.build(task, configs), strict=True):
             if isinstance(built, Result):
                 results.append(built)
                 continue
-            results.append(self._run(task, built, reference=reference))
+            lowered = task.lowered_for(config)
+            results.append(self._run(lowered, built, reference=reference))
             built.unlink(missing_ok=True)
         return results
 
     def _reference(self, task: Task) -> Path | None:
         """The default schedule's outputs on the runner's inputs: what every candidate of the
-        task must reproduce."""
+        task must reproduce (of any algorithm: see `_input_file`)."""
         if task.key in self._references:
             return self._references[task.key]
-        (built,) = self.build(task, [task.tunable.default_config()])
+        default = task.default_config()
+        (built,) = self.build(task, [default])
         path = Path(self._dir.name) / f"ref_{task.key[:16]}.npz"
         if isinstance(built, Result):
             return None
-        result = self._run(task, built, save_output=path)
+        result = self._run(task.lowered_for(default), built, save_output=path)
         self._references[task.key] = path if result.error == "ok" else None
         return self._references[task.key]
 
-    def _run(self, task: Task, library: Path, reference=None, save_output=None) -> Result:
-        func = task.lowered.func
+    def _input_file(self, lowered: LoweredGroup) -> Path | None:
+        """The inputs a CPU candidate runs on: the group's real build-time packed weights,
+        and random values seeded by each other input's name. Two algorithms of one group
+        pack their weights differently but compute the same function of them, so their
+        outputs on these inputs agree (up to rounding) and each is checked against the
+        other's reference."""
+        if self.device is not None:
+            return None  # device runs draw their inputs in the runner
+        import numpy as np
+
+        if id(lowered) in self._input_files:
+            return self._input_files[id(lowered)][1]
+        params = lowered.func.params[: len(lowered.inputs)]
+        arrays = {}
+        for k, (name, buffer) in enumerate(zip(lowered.inputs, params, strict=True)):
+            if name in lowered.packed:
+                arrays[f"in{k}"] = np.asarray(lowered.packed[name], buffer.dtype)
+            else:
+                arrays[f"in{k}"] = _named_random(name, buffer.shape, buffer.dtype)
+        path = Path(self._dir.name) / f"in_{len(self._input_files)}.npz"
+        np.savez(path, **arrays)
+        # Keyed by identity, kept alive with the file (a freed lowering's id may be reused).
+        self._input_files[id(lowered)] = (lowered, path)
+        return path
+
+    def _run(self, lowered: LoweredGroup, library: Path, reference=None, save_output=None):
+        func = lowered.func
+        inputs = self._input_file(lowered)
         request = {
             "device": self.device,
             "library": str(library),
             "symbol": func.name,
             "params": [[list(b.shape), b.dtype] for b in func.params],
-            "outputs": len(task.lowered.outputs),
+            "inputs": str(inputs) if inputs else None,
+            "outputs": len(lowered.outputs),
             "reference": str(reference) if reference else None,
             "save_output": str(save_output) if save_output else None,
             "repeats": self.options.repeats,
@@ -289,6 +322,29 @@ def _first_line(err: BaseException) -> str:
 
 
 # --- the runner (its own process) --------------------------------------------------------------
+
+
+def _named_random(name: str, shape, dtype):
+    """Random values for a kernel input, seeded by its name (the same in every variant)."""
+    import numpy as np
+
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(0, 4, shape).astype(dtype)
+
+
+def _library_inputs(request: dict):
+    """The arrays a library candidate runs on: its request's input file and zeroed outputs,
+    or (no file) seeded random inputs."""
+    import numpy as np
+
+    if not request.get("inputs"):
+        return _inputs(request["params"], request["outputs"])
+    with np.load(request["inputs"]) as stored:
+        inputs = [np.array(stored[f"in{k}"]) for k in range(len(stored.files))]
+    outputs = [np.zeros(shape, dtype) for shape, dtype in request["params"][len(inputs) :]]
+    return inputs + outputs
 
 
 def _inputs(params, outputs: int):
@@ -409,7 +465,7 @@ def run_library_request(request: dict) -> dict:
     from compiler_core.runtime.library import KernelLibrary
 
     library = KernelLibrary(request["library"])
-    arrays = _inputs(request["params"], request["outputs"])
+    arrays = _library_inputs(request)
     outputs = arrays[len(arrays) - request["outputs"] :]
     library.call(request["symbol"], arrays)
     failed = _finish_check(request, outputs)

@@ -98,7 +98,7 @@ class Tuner:
             self._account(state, record.config, record.cost)
 
     def _account(self, state: TaskState, config: dict, cost: float) -> None:
-        if config == state.task.tunable.default_config() and math.isfinite(cost):
+        if config == state.task.default_config() and math.isfinite(cost):
             state.default_cost = cost
         if cost < state.best_cost:
             state.best_cost, state.best_config = cost, dict(config)
@@ -144,7 +144,7 @@ class Tuner:
 
     def _choose(self, state: TaskState, count: int) -> list[dict]:
         unvisited = state.unvisited()
-        default = state.task.tunable.default_config()
+        default = state.task.default_config()
         chosen = [default] if config_key(default) not in state.visited else []
         rest = [c for c in unvisited if c != default]
         explore = max(1, round(count * self.epsilon)) if self.model.trained else count
@@ -161,7 +161,7 @@ class Tuner:
     def _features(self, state: TaskState, config: dict) -> np.ndarray:
         key = config_key(config)
         if key not in state.features:
-            func = apply(state.task.lowered.func, state.task.records(config))
+            func = apply(state.task.lowered_for(config).func, state.task.records(config))
             state.features[key] = extract(func)
         return state.features[key]
 

@@ -22,15 +22,32 @@ from compiler_core.loop.printer import format_func
 from compiler_core.schedule.primitives import Record
 from compiler_core.target import Target, host_target
 
+# The knob that picks a group's algorithm (a conv's direct or Winograd form): it changes the
+# compute, so each of its values has a lowering (a variant) and the other knobs of its own.
+ALGORITHM = "algorithm"
+DIRECT = "direct"
+
+
+@dataclasses.dataclass
+class Variant:
+    """The group computed by one algorithm: its lowering and its template's knobs."""
+
+    lowered: LoweredGroup
+    tunable: Tunable
+
 
 @dataclasses.dataclass
 class Task:
     key: str
     workload: str  # short and readable: template, op, shapes, layout
-    lowered: LoweredGroup  # of the first group with this key
+    lowered: LoweredGroup  # of the first group with this key (untuned: the default algorithm)
     tunable: Tunable
     groups: list[str]  # names of the graph's groups that share the key
-    flops: float
+    flops: float  # of the group's direct algorithm: GFLOP/s compare across algorithms
+    # Algorithm -> variant, when the group has more than one (the default's lowering is
+    # `lowered`); configs then name theirs under ALGORITHM.
+    variants: dict[str, Variant] = dataclasses.field(default_factory=dict)
+    default_algorithm: str = ""
 
     @property
     def template(self) -> str:
@@ -44,26 +61,66 @@ class Task:
     def weight(self) -> int:
         return len(self.groups)
 
+    def variant(self, config: Config | None) -> tuple[Variant, dict[str, object]]:
+        """The variant a config runs (None: the default config), and the config of its
+        template's knobs. A config without ALGORITHM (a record from before the knob) ran the
+        direct algorithm."""
+        rest = dict(self.default_config() if config is None else config)
+        algorithm = rest.pop(ALGORITHM, None)
+        if not self.variants:
+            if algorithm is not None:
+                raise ValueError(f"{self.workload}: one algorithm only, no {ALGORITHM!r} knob")
+            return Variant(self.lowered, self.tunable), rest
+        algorithm = algorithm or DIRECT
+        if algorithm not in self.variants:
+            choices = sorted(self.variants)
+            raise ValueError(f"{self.workload}: {ALGORITHM}={algorithm!r} is not one of {choices}")
+        return self.variants[algorithm], rest
+
+    def lowered_for(self, config: Config | None) -> LoweredGroup:
+        return self.variant(config)[0].lowered
+
+    def choices(self, config: Config | None) -> dict[str, object]:
+        """What the group's builders must be told to compute `config`'s variant."""
+        variant, _ = self.variant(config)
+        return dict(variant.lowered.choices)
+
+    def default_config(self) -> dict[str, object]:
+        """The untuned point: the default algorithm and its template's default knobs."""
+        default = self.tunable.default_config()
+        return {ALGORITHM: self.default_algorithm, **default} if self.variants else default
+
     def records(self, config: Config | None = None) -> list[Record]:
-        """The whole group's schedule with the template at `config`."""
-        target = self.lowered.target
+        """The whole group's schedule with the template at `config` (for its variant)."""
+        variant, rest = self.variant(config)
+        lowered = variant.lowered
+        target = lowered.target
         if not target.is_gpu:
-            return schedule_for(self.lowered.stages, target, config)
-        full = self.tunable.check(config or {})
+            return schedule_for(lowered.stages, target, rest)
+        full = variant.tunable.check(rest)
         return gpu_schedule_for(
-            self.lowered.stages, target, {self.tunable.anchor.name: full}, func=self.lowered.func
+            lowered.stages, target, {variant.tunable.anchor.name: full}, func=lowered.func
         )
 
     def space(self) -> list[dict[str, object]]:
-        """Every config of the template's knobs that fits the registers, default first."""
-        knobs = self.tunable.knobs
-        default = self.tunable.default_config()
+        """Every config of every variant's knobs that fits the registers, default first."""
+        default = self.default_config()
         configs = [default]
-        for values in itertools.product(*(knob.choices for knob in knobs)):
-            config = dict(zip((knob.name for knob in knobs), values, strict=True))
-            if config != default and self.tunable.fits(config):
-                configs.append(config)
+        variants = self.variants or {"": Variant(self.lowered, self.tunable)}
+        for algorithm, variant in variants.items():
+            knobs = variant.tunable.knobs
+            for values in itertools.product(*(knob.choices for knob in knobs)):
+                config = dict(zip((knob.name for knob in knobs), values, strict=True))
+                if self.variants:
+                    config = {ALGORITHM: algorithm, **config}
+                if config != default and variant.tunable.fits(config_of_knobs(config)):
+                    configs.append(config)
         return configs
+
+
+def config_of_knobs(config: Config) -> dict[str, object]:
+    """A config without its ALGORITHM: the knobs of one template."""
+    return {k: v for k, v in config.items() if k != ALGORITHM}
 
 
 def config_key(config: Config) -> str:
@@ -102,9 +159,29 @@ def extract_tasks(graph: Graph, target: Target | None = None) -> list[Task]:
             tunable = tunable_of(lowered.stages, target)
         if tunable is None:
             continue
-        key, workload = workload_of(lowered, tunable)
+        variants = {} if target.is_gpu else _variants(graph, group, index, target, tunable)
+        # A group's identity is its direct algorithm's lowering: a change of the default
+        # algorithm keeps its key, and its records.
+        direct = variants.get(DIRECT, Variant(lowered, tunable))
+        key, workload = workload_of(direct.lowered, direct.tunable)
         if key in tasks:
             tasks[key].groups.append(group.name)
-        else:
-            tasks[key] = Task(key, workload, lowered, tunable, [group.name], flops_of(tunable))
+            continue
+        algorithm = tunable.anchor.note("algorithm", "") if variants else ""
+        flops = flops_of(direct.tunable)
+        tasks[key] = Task(key, workload, lowered, tunable, [group.name], flops, variants, algorithm)
     return sorted(tasks.values(), key=lambda t: -t.flops * t.weight)
+
+
+def _variants(graph: Graph, group, index: int, target: Target, tunable: Tunable):
+    """The group lowered with each algorithm its anchor can run (none when it has one)."""
+    algorithms = tunable.anchor.note("algorithms", ())
+    if len(algorithms) < 2:
+        return {}
+    variants = {}
+    for algorithm in algorithms:
+        lowered = lower_group(graph, group, index, target, {"conv_algorithm": algorithm})
+        variant_tunable = tunable_of(lowered.stages, target)
+        if variant_tunable is not None:
+            variants[algorithm] = Variant(lowered, variant_tunable)
+    return variants

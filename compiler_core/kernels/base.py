@@ -8,7 +8,7 @@ array with `ctx.packed(...)`, which happens once, when the module is built.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -23,9 +23,14 @@ class KernelError(ValueError):
 
 
 class KernelContext:
-    def __init__(self, graph: Graph, prefix: str, target: Target):
+    def __init__(
+        self, graph: Graph, prefix: str, target: Target, choices: Mapping[str, object] | None = None
+    ):
         self.graph = graph
         self.target = target  # its vector width decides packing blocks and panels
+        # Decisions the tuner made for the group's compute (its conv algorithm, say): what a
+        # builder would otherwise take from its default rule.
+        self.choices = dict(choices or {})
         self.prefix = prefix
         self.tensors: dict[str, Tensor] = {}
         self.inputs: list[tuple[str, Tensor]] = []  # (graph value or packed name, placeholder)
@@ -39,6 +44,10 @@ class KernelContext:
         name = f"{prefix}{node.op.lower()}{self._count}"
         self.stage_ops[name] = node.op
         return name
+
+    def choice(self, name: str, default: object = None) -> object:
+        """The tuner's choice `name` for this group, or `default` (the builder's rule)."""
+        return self.choices.get(name, default)
 
     def note(self, stage: str, **facts) -> None:
         """Facts a default schedule needs about a stage (its weight layout, say)."""

@@ -20,7 +20,14 @@ from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
 from compiler_core.kernels.schedules import gemm_row_tile, nchwc_row_width
-from compiler_core.kernels.winograd import conv_tile, input_padding, tile_grid, winograd_conv
+from compiler_core.kernels.winograd import (
+    conv_algorithms,
+    default_algorithm,
+    input_padding,
+    tile_grid,
+    winograd_conv,
+    winograd_size,
+)
 from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Expr, Select, Unary, logical_and
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_max, reduce_min, reduce_sum
 
@@ -167,10 +174,16 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
     m, cg = weights.shape[:2]
     group_blocks = _group_blocks(m, cg, group, block, data_block, depthwise)
     pads, strides, dilations = spatial_params(node, nsp)
+    algorithms = ("direct",)
     if data_block and nsp == 2:
-        tile = conv_tile(kernel, strides, dilations, group, real_cg, real_m, *out.shape[2:4])
-        if tile:
-            return _winograd(ctx, node, x, weights, tile, pads, data_block, block)
+        algorithms = conv_algorithms(kernel, strides, dilations, group, real_cg, real_m)
+    chosen = ctx.choice("conv_algorithm", default_algorithm(algorithms, *out.shape[2:4]))
+    if chosen not in algorithms:
+        raise KernelError(f"node {node.name!r}: no {chosen!r} conv (it can run {algorithms})")
+    if winograd_size(chosen):
+        notes = {"algorithms": algorithms, "algorithm": chosen}
+        tile = winograd_size(chosen)
+        return _winograd(ctx, node, x, weights, tile, pads, data_block, block, notes)
     width = out.shape[-2]
     row = nchwc_row_width(width, block, depthwise, m // block, ctx.target, group_blocks)
     # Zero input past the end for the extra pixels of a padded row.
@@ -236,6 +249,8 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         layout="nchwc_depthwise" if depthwise else "nchwc",
         block=block,
         group_blocks=group_blocks,
+        algorithms=algorithms,
+        algorithm=chosen,
     )
     bias = _blocked_bias(ctx, node, m, block)
     if bias is None and row == width:
@@ -259,10 +274,11 @@ def _blocked_bias(ctx: KernelContext, node: Node, channels: int, block: int) -> 
 
 
 def _winograd(
-    ctx: KernelContext, node: Node, x: Tensor, weights, tile: int, pads, data_block, block
+    ctx: KernelContext, node: Node, x: Tensor, weights, tile: int, pads, data_block, block, notes
 ) -> list[Tensor]:
-    """A blocked 3x3 conv as Winograd F(tile x tile, 3 x 3) (see kernels/winograd.py). The
-    GEMM's row of tiles is padded to a good register tile as a direct conv's row is."""
+    """A blocked 3x3 conv as Winograd F(tile x tile, 3 x 3) (see kernels/winograd.py), `notes`
+    on its GEMM stage. The GEMM's row of tiles is padded to a good register tile as a direct
+    conv's row is."""
     out = ctx.type(node.outputs[0])
     out_blocks = weights.shape[0] // block
     positions = (tile + 2) ** 2
@@ -276,7 +292,7 @@ def _winograd(
     padded = _padded(ctx, node, x, padding, 0.0, nsp=2)
     bias = _blocked_bias(ctx, node, weights.shape[0], block)
     return winograd_conv(
-        ctx, node, padded, weights, grid, data_block, block, bias, out.shape, out.dtype
+        ctx, node, padded, weights, grid, data_block, block, bias, out.shape, out.dtype, notes
     )
 
 

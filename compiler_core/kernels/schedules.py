@@ -665,23 +665,22 @@ def blocked_pool_schedule(
     return [*records, Parallel(cb)]
 
 
-def winograd_tile(out_h: int, out_w: int, in_channels: int, out_channels: int) -> int:
-    """The output tile m of a Winograd F(m x m, 3 x 3) conv for a 3x3 stride-1 conv of blocked
-    data, or 0 for the direct conv. F(4x4) takes 4x fewer multiplications than the direct
-    conv, F(2x2) 2.25x; their transforms cost about 1/M (input) and 1/C (output) of the
-    GEMMs: worth it with WINOGRAD_MIN_CHANNELS on both sides. Each of the alpha^2 GEMMs reads
-    its own transformed filters for one row of tiles, so a small image takes the small tile:
-    measured on Zen 4 (ms, direct / F(2x2) / F(4x4)), 512 channels at 7x7 1.16 / 0.74 / 0.93,
-    256 at 14x14 1.03 / 0.58 / 0.55 (F(2x2) ahead in a whole model), 128 at 28x28
-    1.04 / 0.50 / 0.33."""
-    if min(in_channels, out_channels) < WINOGRAD_MIN_CHANNELS:
-        return 0
+def winograd_tile(out_h: int, out_w: int) -> int:
+    """The output tile m of the Winograd F(m x m, 3 x 3) conv an untuned build runs for a conv
+    that can take one (`kernels/winograd.py:conv_algorithms`), or 0 for the direct conv.
+    F(4x4) takes 4x fewer multiplications than the direct conv, F(2x2) 2.25x; each of their
+    alpha^2 GEMMs reads its own transformed filters for one row of tiles, so a small image
+    takes the small tile: measured on Zen 4 (ms, direct / F(2x2) / F(4x4)), 512 channels at
+    7x7 1.16 / 0.74 / 0.93, 256 at 14x14 1.03 / 0.58 / 0.55 (F(2x2) ahead in a whole model),
+    128 at 28x28 1.04 / 0.50 / 0.33."""
     for m, least in ((4, WINOGRAD_F4_MIN_TILES), (2, WINOGRAD_F2_MIN_TILES)):
         if -(-out_h // m) * -(-out_w // m) >= least:
             return m
     return 0
 
 
+# Channels on both sides for a Winograd conv: its transforms cost about 1/M (input) and 1/C
+# (output) of its GEMMs.
 WINOGRAD_MIN_CHANNELS = 32
 WINOGRAD_F4_MIN_TILES = 36
 WINOGRAD_F2_MIN_TILES = 16

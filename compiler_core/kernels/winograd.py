@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 
 from compiler_core.kernels.base import KernelContext
-from compiler_core.kernels.schedules import winograd_tile
+from compiler_core.kernels.schedules import WINOGRAD_MIN_CHANNELS, winograd_tile
 from compiler_core.loop.ir import INDEX, Binary, Const, Expr, Select
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_sum
 
@@ -135,6 +135,7 @@ def winograd_conv(
     bias: Tensor | None,
     out_shape: tuple[int, ...],
     dtype: str,
+    notes: dict | None = None,
 ) -> list[Tensor]:
     """The three stages of a blocked F(m x m, 3 x 3) conv. `padded_input` is NCHW[ib]c data
     padded so that every tile's window lies inside it ((padded_rows * m + 2) x (cols * m + 2));
@@ -193,7 +194,9 @@ def winograd_conv(
     gemm = compute(
         (n_batch, positions * out_blocks, grid.tiles, block), product, ctx.stage_name(node), dtype
     )
-    ctx.note(gemm.name, layout="nchwc", block=block, group_blocks=out_blocks, winograd=m)
+    ctx.note(
+        gemm.name, layout="nchwc", block=block, group_blocks=out_blocks, winograd=m, **(notes or {})
+    )
 
     def output_columns(n, mo, tile, eps, j, mi):  # (M A)[eps, j]
         products = [
@@ -239,21 +242,27 @@ def input_padding(pads, in_h: int, in_w: int, grid: TileGrid) -> tuple[int, int,
     return top, left, height - in_h - top, width - in_w - left
 
 
-def conv_tile(
-    kernel,
-    strides,
-    dilations,
-    group: int,
-    in_channels: int,
-    out_channels: int,
-    out_h: int,
-    out_w: int,
-) -> int:
-    """The output tile of the Winograd algorithm a 2-D conv runs as, 0 for the direct conv:
-    a 3x3 stride-1 conv without dilation or groups, when `winograd_tile` (the schedules'
-    rule) finds it worth it. The layout pass gives such a conv blocked data (its transforms
-    read and write NCHW[b]c)."""
+def conv_algorithms(
+    kernel, strides, dilations, group: int, in_channels: int, out_channels: int
+) -> tuple[str, ...]:
+    """The algorithms a 2-D conv can run as: "direct", and for a 3x3 stride-1 conv without
+    dilation or groups with WINOGRAD_MIN_CHANNELS on both sides, "winograd2" and "winograd4"
+    (F(2x2, 3x3) and F(4x4, 3x3)). The tuner measures each (the `algorithm` knob); the layout
+    pass gives a conv that has Winograd among them blocked data (the transforms read and write
+    NCHW[b]c)."""
     dense_3x3 = tuple(kernel) == (3, 3) and group == 1
-    if not dense_3x3 or tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
-        return 0
-    return winograd_tile(out_h, out_w, in_channels, out_channels)
+    unit = tuple(strides) == (1, 1) and tuple(dilations) == (1, 1)
+    if not (dense_3x3 and unit) or min(in_channels, out_channels) < WINOGRAD_MIN_CHANNELS:
+        return ("direct",)
+    return ("direct", *(f"winograd{m}" for m in sorted(TRANSFORMS)))
+
+
+def default_algorithm(algorithms: tuple[str, ...], out_h: int, out_w: int) -> str:
+    """The untuned choice among `algorithms` (see `winograd_tile`)."""
+    tile = winograd_tile(out_h, out_w) if len(algorithms) > 1 else 0
+    return f"winograd{tile}" if tile else "direct"
+
+
+def winograd_size(algorithm: str) -> int:
+    """The output tile of a "winograd<m>" algorithm, 0 for "direct"."""
+    return int(algorithm.removeprefix("winograd")) if algorithm.startswith("winograd") else 0

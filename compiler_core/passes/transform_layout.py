@@ -32,7 +32,7 @@ from compiler_core.graph.ops import OP_TABLE
 from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout, blocks_for, to_blocked
 from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.graph.ops.reduce import reduce_axes
-from compiler_core.kernels.winograd import conv_tile
+from compiler_core.kernels.winograd import conv_algorithms
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
@@ -158,9 +158,9 @@ class _Rewriter:
 
     def _blocked_conv(self, node: Node, block: int) -> None:
         x = node.inputs[0]
-        # A grouped (or depthwise) conv reads data in its own block, as does a Winograd conv
-        # (its input transform vectorizes over a block); any other conv reads data in the
-        # block its producer wrote, or plain.
+        # A grouped (or depthwise) conv reads data in its own block, as does a conv that may
+        # run as Winograd (its input transform vectorizes over a block); any other conv reads
+        # data in the block its producer wrote, or plain.
         own_block = node.attr("group", 1) > 1 or _winograd(self.graph, node)
         data_block = block if own_block else self._block_available(x)
         data = self.as_blocked(x, data_block) if data_block else self.as_plain(x)
@@ -240,12 +240,14 @@ def _channels_aligned(operand: tuple[int, ...], shape: tuple[int, ...]) -> bool:
 
 
 def _winograd(graph: Graph, node: Node) -> bool:
-    """Whether the conv's kernel will run as Winograd (`kernels/winograd.py`)."""
-    w, out = graph.types[node.inputs[1]].shape, graph.types[node.outputs[0]].shape
+    """Whether the conv's kernel may run as Winograd (`kernels/winograd.py`), untuned or
+    tuned."""
+    w = graph.types[node.inputs[1]].shape
     if len(w) != 4:
         return False
     _, strides, dilations = spatial_params(node, 2)
-    return bool(conv_tile(w[2:], strides, dilations, node.attr("group", 1), w[1], w[0], *out[2:]))
+    algorithms = conv_algorithms(w[2:], strides, dilations, node.attr("group", 1), w[1], w[0])
+    return len(algorithms) > 1
 
 
 def _conv_block(graph: Graph, node: Node, blocks: tuple[int, ...], data_blocked=False) -> int:

@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
@@ -18,13 +19,14 @@ import compiler_core
 from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
 from compiler_core.autotune.search import Tuner
-from compiler_core.autotune.tasks import config_key, extract_tasks
+from compiler_core.autotune.tasks import ALGORITHM, config_key, extract_tasks
+from compiler_core.build import lower_group
 from compiler_core.codegen.native import compiler_driver
 from compiler_core.frontend.onnx import import_model
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import parse_target
-from tests.conftest import FLOAT, make_model
+from tests.conftest import FLOAT, assert_close_to_scale, make_model
 
 RNG = np.random.default_rng(0)
 W1 = RNG.standard_normal((64, 48)).astype(np.float32)
@@ -73,7 +75,7 @@ def test_every_config_of_the_space_computes_the_reference_answer(model, measurer
     assert tasks, "the model has a tunable group"
     for task in tasks:
         space = task.space()
-        assert space[0] == task.tunable.default_config() and len(space) > 1
+        assert space[0] == task.default_config() and len(space) > 1
         results = measurer.measure(task, space)
         errors = [(c, r) for c, r in zip(space, results, strict=True) if r.error != "ok"]
         assert not errors, errors[:3]
@@ -100,14 +102,14 @@ def faulty_library(tmp_path: Path, name: str) -> Path:
 def test_faulty_candidates_are_recorded_as_errors_and_the_runner_goes_on(tmp_path, target):
     buffer = types.SimpleNamespace(shape=(4,), dtype="float32")
     func = types.SimpleNamespace(name="k", params=(buffer, buffer))
-    task = types.SimpleNamespace(lowered=types.SimpleNamespace(func=func, outputs=["y"]))
+    lowered = types.SimpleNamespace(func=func, inputs=["x"], packed={}, outputs=["y"])
     options = MeasureOptions(repeats=1, min_repeat_seconds=0.0, timeout=3.0)
     with Measurer(target, options) as measurer:
         reference = tmp_path / "reference.npz"
         right = faulty_library(tmp_path, "right")
-        assert measurer._run(task, right, save_output=reference).error == "ok"
+        assert measurer._run(lowered, right, save_output=reference).error == "ok"
         outcomes = {
-            name: measurer._run(task, faulty_library(tmp_path, name), reference=reference)
+            name: measurer._run(lowered, faulty_library(tmp_path, name), reference=reference)
             for name in ("out_of_bounds", "forever", "wrong", "right")
         }
     assert outcomes["out_of_bounds"].error == "run_error"
@@ -123,7 +125,7 @@ def test_a_session_resumes_from_its_log_without_measuring_again(tmp_path, target
     with FileLog(log_path) as log:
         Tuner(tasks, target, log, measurer, batch=4).run(trials=6)
     first = FileLog(log_path).records()
-    assert len(first) == 6 and first[0].config == tasks[0].tunable.default_config()
+    assert len(first) == 6 and first[0].config == tasks[0].default_config()
     with FileLog(log_path) as log:
         tuner = Tuner(tasks, target, log, measurer, batch=4)
         assert sum(len(s.visited) for s in tuner.states) == 6
@@ -187,3 +189,72 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
     assert build.returncode == 0 and "tuned kernels: 1 of" in build.stdout
     no_budget = subprocess.run([kiln, "tune", str(model), "--log", str(log)], capture_output=True)
     assert no_budget.returncode == 2 and b"--trials" in no_budget.stderr
+
+
+# --- the algorithm knob: a 3x3 conv's direct and Winograd forms --------------------------------
+
+WINOGRAD_W = (RNG.standard_normal((32, 32, 3, 3)) * 0.05).astype(np.float32)
+
+
+def winograd_model():
+    """Conv 3x3 (32 -> 32 channels, 12x12) -> Relu, twice: convs that can run direct or as
+    Winograd F(2x2) or F(4x4); untuned, F(2x2) (36 tiles of 2x2, 9 of 4x4)."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["z"]),
+    ]
+    shape = [1, 32, 12, 12]
+    return make_model(nodes, [("x", FLOAT, shape)], [("z", FLOAT, shape)], {"w": WINOGRAD_W})
+
+
+def test_the_algorithm_is_a_knob_whose_every_value_computes_the_reference(measurer):
+    (task,) = tasks_of(winograd_model())  # both convs share the workload
+    assert sorted(task.variants) == ["direct", "winograd2", "winograd4"]
+    space = task.space()
+    assert space[0] == task.default_config() and space[0][ALGORITHM] == "winograd2"
+    by_algorithm = {a: [c for c in space if c[ALGORITHM] == a] for a in task.variants}
+    assert all(by_algorithm.values())
+    # The default, then each algorithm's first two configs: all verified against the
+    # default's output on the same weights (the Winograd forms pack theirs transformed).
+    sample = [space[0], *(c for configs in by_algorithm.values() for c in configs[:2])]
+    results = measurer.measure(task, sample)
+    assert [r.error for r in results] == ["ok"] * len(sample), results
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "winograd4"])
+def test_builds_run_the_algorithm_of_the_best_record(tmp_path, target, measurer, algorithm):
+    model = winograd_model()
+    (task,) = tasks_of(model)
+    config = next(c for c in task.space() if c[ALGORITHM] == algorithm)
+    (result,) = measurer.measure(task, [config])
+    with FileLog(tmp_path / "t.jsonl") as log:
+        log.append(
+            TuningRecord(
+                workload_key=task.key, workload=task.workload, target=str(target),
+                fingerprint=target.fingerprint, template=task.template,
+                template_version=task.template_version, config=config, costs=result.costs,
+                error="ok", error_detail="", flops=task.flops, compiler_version="test",
+                timestamp=0.0,
+            )
+        )  # fmt: skip
+    archive = compiler_core.compile(model, "llvm", tuning=str(tmp_path / "t.jsonl"))
+    notes = [k for k in archive.manifest["kernels"].values() if isinstance(k, dict)]
+    assert len(notes) == 2 and all(n["config"][ALGORITHM] == algorithm for n in notes)
+    graph = optimize(import_model(model))
+    choices = {g.name: task.choices(config) for g in graph.groups if g.name in task.groups}
+    stages = [
+        s.name
+        for index, group in enumerate(graph.groups)
+        for s in lower_group(graph, group, index, target, choices.get(group.name)).stages
+    ]
+    assert any(name.startswith("wgin") for name in stages) == (algorithm != "direct")
+    x = RNG.standard_normal((1, 32, 12, 12)).astype(np.float32)
+    expected = ort_output(model, {"x": x})
+    assert_close_to_scale(load(archive).run({"x": x})["z"], expected)
+
+
+def ort_output(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["z"], feeds)[0]

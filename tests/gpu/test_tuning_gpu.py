@@ -100,7 +100,7 @@ def test_a_candidate_that_skips_a_launch_is_a_wrong_answer(graph, measurer):
     bundle = json.loads(bundle_path.read_text())
     bundle["launches"] = bundle["launches"][:-1]  # the kernel that writes the output is gone
     bundle_path.write_text(json.dumps(bundle))
-    result = measurer._run(task, bundle_path, reference=reference)
+    result = measurer._run(task.lowered, bundle_path, reference=reference)
     assert result.error == "wrong_answer" and "differs from the reference" in result.detail
 
 
@@ -142,7 +142,7 @@ def test_twin_records_are_kept_apart_and_gpu_records_are_applied(graph, measurer
         dataclasses.replace(r, fingerprint=SM90.fingerprint, target=str(SM90))
         for r in best.values()
     )
-    schedules, notes = tuned_schedules(graph, SM90, gpu_log)
+    schedules, notes, _ = tuned_schedules(graph, SM90, gpu_log)
     assert len(notes) == len(best)
     archive = compile_graph(graph, SM90, tuning=gpu_log)
     kernels = archive.manifest["kernels"]

@@ -13,7 +13,12 @@ from onnx import helper
 import compiler_core
 from compiler_core.build import lower_group
 from compiler_core.frontend.onnx import import_model
-from compiler_core.kernels.winograd import TRANSFORMS, conv_tile, transformed_filters
+from compiler_core.kernels.winograd import (
+    TRANSFORMS,
+    conv_algorithms,
+    default_algorithm,
+    transformed_filters,
+)
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import host_target
@@ -41,24 +46,23 @@ def test_transform_matrices_compute_a_3x3_correlation(m):
     np.testing.assert_allclose(winograd, direct, rtol=1e-10, atol=1e-10)
 
 
-def test_algorithm_rule():
-    """Winograd for dense 3x3 stride-1 convs with enough channels and tiles (4x4 tiles on
-    large images, 2x2 on small ones); direct for a strided, dilated or grouped conv, few
-    channels, or a 5x5 image (9 tiles of 2x2)."""
-    args = dict(strides=(1, 1), dilations=(1, 1), group=1)
-    assert conv_tile((3, 3), **args, in_channels=64, out_channels=64, out_h=56, out_w=56) == 4
-    assert conv_tile((3, 3), **args, in_channels=128, out_channels=128, out_h=28, out_w=28) == 4
-    assert conv_tile((3, 3), **args, in_channels=256, out_channels=256, out_h=14, out_w=14) == 2
-    assert conv_tile((3, 3), **args, in_channels=512, out_channels=512, out_h=7, out_w=7) == 2
-    assert conv_tile((3, 3), **args, in_channels=512, out_channels=512, out_h=5, out_w=5) == 0
-    assert conv_tile((3, 3), **args, in_channels=16, out_channels=64, out_h=56, out_w=56) == 0
-    assert conv_tile((5, 5), **args, in_channels=64, out_channels=64, out_h=56, out_w=56) == 0
-    strided = {**args, "strides": (2, 2)}
-    assert conv_tile((3, 3), **strided, in_channels=64, out_channels=64, out_h=28, out_w=28) == 0
-    dilated = {**args, "dilations": (2, 2)}
-    assert conv_tile((3, 3), **dilated, in_channels=64, out_channels=64, out_h=28, out_w=28) == 0
-    grouped = {**args, "group": 2}
-    assert conv_tile((3, 3), **grouped, in_channels=32, out_channels=64, out_h=28, out_w=28) == 0
+def test_algorithm_rules():
+    """Winograd can run dense 3x3 stride-1 convs with enough channels; untuned, it does when
+    the image has enough tiles (4x4 tiles on large images, 2x2 on small ones). Strided,
+    dilated and grouped convs, and few channels, stay direct."""
+    both = ("direct", "winograd2", "winograd4")
+    assert conv_algorithms((3, 3), (1, 1), (1, 1), 1, 64, 64) == both
+    assert conv_algorithms((3, 3), (2, 2), (1, 1), 1, 64, 64) == ("direct",)
+    assert conv_algorithms((3, 3), (1, 1), (2, 2), 1, 64, 64) == ("direct",)
+    assert conv_algorithms((3, 3), (1, 1), (1, 1), 2, 64, 64) == ("direct",)
+    assert conv_algorithms((5, 5), (1, 1), (1, 1), 1, 64, 64) == ("direct",)
+    assert conv_algorithms((3, 3), (1, 1), (1, 1), 1, 16, 64) == ("direct",)
+    assert default_algorithm(both, 56, 56) == "winograd4"
+    assert default_algorithm(both, 28, 28) == "winograd4"
+    assert default_algorithm(both, 14, 14) == "winograd2"
+    assert default_algorithm(both, 7, 7) == "winograd2"
+    assert default_algorithm(both, 5, 5) == "direct"
+    assert default_algorithm(("direct",), 56, 56) == "direct"
 
 
 def winograd_chain(c, m, size, batch=1, pads=(1, 1, 1, 1), bias=True, residual=False):
