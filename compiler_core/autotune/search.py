@@ -29,6 +29,7 @@ from compiler_core.schedule.primitives import apply
 from compiler_core.target import Target
 
 STALE_ROUNDS = 3  # batches without a 1% gain before a task stops asking for more
+SCORED_PER_ROUND = 32  # unvisited configs the cost model ranks per batch (a random sample)
 IMPROVEMENT = 0.99
 
 
@@ -149,8 +150,13 @@ class Tuner:
         rest = [c for c in unvisited if c != default]
         explore = max(1, round(count * self.epsilon)) if self.model.trained else count
         if self.model.trained and rest:
-            scores = self.model.predict(np.stack([self._features(state, c) for c in rest]))
-            ranked = [rest[k] for k in np.argsort(-scores)]
+            # The model ranks a bounded sample: every candidate's features cost a schedule
+            # application (0.3 s for a Winograd conv's), and a space has thousands of points.
+            scored = rest
+            if len(rest) > SCORED_PER_ROUND:
+                scored = self.rng.sample(rest, SCORED_PER_ROUND)
+            scores = self.model.predict(np.stack([self._features(state, c) for c in scored]))
+            ranked = [scored[k] for k in np.argsort(-scores)]
             greedy = ranked[: max(count - len(chosen) - explore, 0)]
             chosen += greedy
             rest = [c for c in rest if c not in greedy]

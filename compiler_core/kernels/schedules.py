@@ -370,7 +370,9 @@ def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
     tiles = tuple(t for t in range(1, most + 1) if width % t == 0 or t == default_tile)
     chunks = (1,)
     if not depthwise:  # a depthwise block reads only its own channels
-        chunks = tuple(k for k in range(1, blocks + 1) if blocks % k == 0)
+        # A Winograd GEMM's chunk stays inside one position's blocks (they share its input).
+        span = group_blocks if conv.note("winograd") else blocks
+        chunks = tuple(k for k in range(1, span + 1) if span % k == 0)
     default_chunk = _default_mo_chunk(conv, chunks, default_blocks)
     if latency:
         # A latency tile's blocks are its chunk: a 1-D conv's 4 x 2 tile ran at 150 GFLOP/s
@@ -386,14 +388,21 @@ def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
         Knob("parallel", ("mo_y", "mo_y_x"), "mo_y"),
         # A depthwise tile loads an input vector per pixel and tap: with the row's taps
         # unrolled, the tile + k - 1 vectors of a kernel row are loaded once for all k taps
-        # (a 7x7 depthwise conv ran 2.8x ORT rolled, 1.2x unrolled; 5x5 1.7x -> 0.8x).
-        Knob("unroll_kw", (0, 1), int(depthwise)),
+        # (a 7x7 depthwise conv ran 2.8x ORT rolled, 1.2x unrolled; 5x5 1.7x -> 0.8x). Knobs
+        # that change nothing for a conv without taps (a 1x1 conv, a Winograd GEMM) have one
+        # value, so that the space holds no duplicates.
+        Knob("unroll_kw", (0, 1) if _has_taps(conv) else (0,), int(depthwise)),
     ]
-    if _reduces_channels(conv):
+    if _reduces_channels(conv) and _has_taps(conv):
         knobs.append(Knob("reduce_order", ("channels_outer", "taps_outer"), "channels_outer"))
     else:
         knobs.append(Knob("reduce_order", ("channels_outer",), "channels_outer"))
     return tuple(knobs)
+
+
+def _has_taps(conv: StageInfo) -> bool:
+    """Whether a conv's kernel has more than one tap (a reduction loop over taps that moves)."""
+    return any(_is_tap(conv, name) and extent > 1 for name, extent in conv.reduce_axes)
 
 
 def _nchwc_fits(conv: StageInfo, config: Mapping[str, object], target: Target) -> bool:
@@ -801,7 +810,8 @@ class Template:
 
 
 TEMPLATES: dict[str, Template] = {
-    "conv2d_nchwc": Template("conv2d_nchwc", 2, _nchwc_knobs, nchwc_conv_schedule, _nchwc_fits),
+    # v3: the algorithm knob (direct / Winograd), no inert knobs for convs without taps.
+    "conv2d_nchwc": Template("conv2d_nchwc", 3, _nchwc_knobs, nchwc_conv_schedule, _nchwc_fits),
     "dense": Template("dense", 2, _matmul_knobs, matmul_schedule, _matmul_fits),
     "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
 }
