@@ -6,9 +6,12 @@ Gray, "Fast Algorithms for Convolutional Neural Networks"): 2.25x fewer for m = 
 m = 4. With alpha = m + 2 and the transform matrices B, G and A of the tile size:
 
     U[p] = G g G^T          the filters, once at build time (p = eps * alpha + nu)
-    V[p] = B^T d B          each input tile, per input channel          (stage `wgin`)
+    V[p] = B^T d B          each input tile, per input channel    (stages `wgrow`, `wgin`)
     M[p] = sum_c U[p] V[p]  alpha^2 independent GEMMs over channels     (the anchor)
-    Y    = A^T M A          each output tile, per output channel        (stage `wgout`)
+    Y    = A^T M A          each output tile, per output channel  (stages `wgcol`, `wgout`)
+
+Each transform is two stages, one per side of the tile; the first (d B, M A) is computed at
+the tile's loop of the second, so its alpha^2 vectors stay in L1.
 
 The GEMM stage is shaped as a grouped 1x1 blocked conv over a row of tiles (one group of
 output blocks per position p, each reading the input blocks of its own p), so it runs on the
@@ -137,9 +140,12 @@ def winograd_conv(
     dtype: str,
     notes: dict | None = None,
 ) -> list[Tensor]:
-    """The three stages of a blocked F(m x m, 3 x 3) conv. `padded_input` is NCHW[ib]c data
-    padded so that every tile's window lies inside it ((padded_rows * m + 2) x (cols * m + 2));
-    `weights` are [M, C, 3, 3] with M and C whole blocks; the result is NCHW[b]c."""
+    """The stages of a blocked F(m x m, 3 x 3) conv: the input tiles' row transforms and
+    their positions (V), the GEMMs, the output tiles' column transforms and their pixels (with
+    the bias). `padded_input` is NCHW[ib]c data padded so that every tile's window lies inside
+    it ((padded_rows * m + 2) x (cols * m + 2)); `weights` are [M, C, 3, 3] with M and C whole
+    blocks; the result is NCHW[b]c. `notes` go on the GEMM stage, the group's anchor (the
+    algorithms the conv can run, and the one it runs)."""
     t = TRANSFORMS[grid.m]
     alpha, m, cols = t.alpha, grid.m, grid.cols
     positions = alpha * alpha
