@@ -103,6 +103,21 @@ def _epilogue_of(anchor: StageInfo, kept: list[StageInfo], inlined: set[str], al
     return None
 
 
+def _kept_sources(stage: StageInfo, inlined: set[str], all_stages) -> set[str]:
+    """The kept stages `stage` reads, through the inlined ones (a residual Add inlined into
+    the ReLU after it reads the conv's output and only kernel inputs besides)."""
+    by_name = {s.name: s for s in all_stages}
+    sources: set[str] = set()
+    pending = list(stage.reads)
+    while pending:
+        name = pending.pop()
+        if name in inlined:
+            pending.extend(by_name[name].reads)
+        else:
+            sources.add(name)
+    return sources
+
+
 def _vector_tile_io(stage: StageInfo) -> list[Record]:
     """Vectorize the accumulator tile's zero fill and its store (which carries the epilogue)
     along the tile's innermost axis, as the reduction itself is: left scalar and unrolled,
@@ -966,7 +981,7 @@ def schedule_for(
         if stage.name in handled:
             continue
         epilogue = _epilogue_of(stage, kept, inlined, stages)
-        if epilogue is not None and set(epilogue.reads) != {stage.name}:
+        if epilogue is not None and _kept_sources(epilogue, inlined, stages) != {stage.name}:
             epilogue = None  # it also reads another stage: not a single-store epilogue
         if stage.note("pool") == "plain":
             records += plain_pool_schedule(stage, epilogue, target)

@@ -13,6 +13,7 @@ from onnx import helper
 import compiler_core
 from compiler_core.build import lower_group
 from compiler_core.frontend.onnx import import_model
+from compiler_core.kernels.schedules import default_schedule
 from compiler_core.kernels.winograd import (
     TRANSFORMS,
     conv_algorithms,
@@ -21,6 +22,7 @@ from compiler_core.kernels.winograd import (
 )
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
+from compiler_core.schedule.primitives import ReverseComputeInline
 from compiler_core.target import host_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
 
@@ -127,3 +129,16 @@ def test_winograd_conv_matches_onnxruntime(name):
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     expected = session.run(["y"], feeds)[0]
     assert_close_to_scale(module.run(feeds)["y"], expected, label=name)
+
+
+def test_a_residual_epilogue_runs_in_the_output_transform():
+    """Add (inlined) -> Relu after a Winograd conv is one store of the output transform, not
+    a pass of its own over the output."""
+    graph = optimize(import_model(CASES["residual_add"]()), target=host_target())
+    index, group = next(
+        (k, g) for k, g in enumerate(graph.groups) if "add" in " ".join(g.nodes).lower()
+    )
+    stages = lower_group(graph, group, index, host_target()).stages
+    records = default_schedule(stages, host_target())
+    last = stages[-1].name
+    assert last.startswith("relu") and ReverseComputeInline(last) in records, records
