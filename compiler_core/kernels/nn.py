@@ -419,11 +419,12 @@ def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale:
     return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, pack
 
 
-def _tiled_shape(ctx: KernelContext, out_shape, width: int) -> tuple[int, ...]:
+def _tiled_shape(ctx: KernelContext, out_shape, width: int, a_row_bytes: int = 0):
     """The GEMM stage's shape: whole register tiles, rows padded to a multiple of the default
-    row tile and columns to the panel width (a partial last tile costs no scalar loop)."""
+    row tile and columns to the panel width (a partial last tile costs no scalar loop).
+    `a_row_bytes`: A's row stride, when the tile reads A's rows along K (see gemm_row_tile)."""
     *batch_shape, rows, cols = out_shape
-    mr = gemm_row_tile(rows, ctx.target, _panel_vectors(width, ctx))
+    mr = gemm_row_tile(rows, ctx.target, _panel_vectors(width, ctx), a_row_bytes)
     return (*batch_shape, -(-rows // mr) * mr, -(-cols // width) * width)
 
 
@@ -440,13 +441,21 @@ def _row(i, rows: int, padded_rows: int):
 
 
 def _dense_stage(
-    ctx, node, shape, body, out_shape, width: int, pack: Pack | None, dtype: str | None = None
+    ctx,
+    node,
+    shape,
+    body,
+    out_shape,
+    width: int,
+    pack: Pack | None,
+    dtype: str | None = None,
+    a_row_bytes: int = 0,
 ) -> Tensor:
     """The GEMM stage, with the facts its template needs: the panel width, the row tile its
     rows are padded for, the real output shape (what the epilogue crops) and the packing."""
     dtype = dtype or ctx.type(node.outputs[0]).dtype
     product = compute(shape, body, ctx.stage_name(node), dtype)
-    mr = gemm_row_tile(out_shape[-2], ctx.target, _panel_vectors(width, ctx))
+    mr = gemm_row_tile(out_shape[-2], ctx.target, _panel_vectors(width, ctx), a_row_bytes)
     ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))
     if pack is not None:
         ctx.note(product.name, pack=pack.stage, pack_default=pack.default)
@@ -489,7 +498,8 @@ def _matmul(ctx: KernelContext, node: Node):
     b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
     b_batch = b_type.shape[:-2] if pack else ()
     batch_shape, rows = out_shape[:-2], out_shape[-2]
-    shape = _tiled_shape(ctx, out_shape, width)
+    a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
+    shape = _tiled_shape(ctx, out_shape, width, a_row_bytes)
 
     def body(*index):
         batch, i, j = index[:-2], index[-2], index[-1]
@@ -499,7 +509,7 @@ def _matmul(ctx: KernelContext, node: Node):
         a_index = (*broadcast_index(a.shape[:-2], batch_shape, batch), _row(i, rows, shape[-2]))
         return reduce_sum(a[(*a_index, kk)] * b_read, kk)
 
-    product = _dense_stage(ctx, node, shape, body, out_shape, width, pack)
+    product = _dense_stage(ctx, node, shape, body, out_shape, width, pack, a_row_bytes=a_row_bytes)
     if a_vector:  # drop the unit row (and any padded columns)
         return [
             compute(
@@ -589,14 +599,16 @@ def _gemm(ctx: KernelContext, node: Node):
     if pack is None:  # alpha is folded into the constant panels
         alpha = 1.0
     rows = out.shape[0]
-    shape = _tiled_shape(ctx, out.shape, width)
+    a_type = ctx.type(a_value)
+    a_row_bytes = 0 if trans_a else a_type.shape[1] * np.dtype(a_type.dtype).itemsize
+    shape = _tiled_shape(ctx, out.shape, width, a_row_bytes)
 
     def body(i, j):
         row = _row(i, rows, shape[0])
         a_at = a[(kk, row) if trans_a else (row, kk)]
         return reduce_sum(a_at * b_at((), kk, j), kk)
 
-    product = _dense_stage(ctx, node, shape, body, out.shape, width, pack)
+    product = _dense_stage(ctx, node, shape, body, out.shape, width, pack, a_row_bytes=a_row_bytes)
     has_c = len(node.inputs) > 2 and node.inputs[2]
     if not has_c and alpha == 1.0:
         return [_cropped(ctx, node, product, out.shape)]

@@ -15,6 +15,7 @@ import compiler_core
 from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.tasks import extract_tasks
 from compiler_core.frontend.onnx import import_model
+from compiler_core.kernels.schedules import gemm_row_tile
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import parse_target
@@ -241,3 +242,22 @@ def test_a_few_columns_are_one_panel_of_whole_vectors():
 
     assert [panel_width(n, 8) for n in (10, 3, 24, 32, 40, 1000)] == [16, 8, 24, 16, 16, 16]
     assert panel_width(10, 16) == 16
+
+
+def test_row_tiles_of_a_with_rows_4kb_apart_fit_one_l1_set():
+    """A's rows 4 KB apart (K = 1024 floats) share an L1 set: a register tile streams at most
+    six of them (49 rows of 3136 bytes keep the register budget's tile)."""
+    target = parse_target("llvm -mcpu=znver4")  # 32 zmm registers
+    assert gemm_row_tile(64, target) == 13  # 14 accumulator rows at most: 5 tiles of 13
+    assert gemm_row_tile(64, target, row_bytes=4096) == 4
+    assert gemm_row_tile(64, target, row_bytes=8192) == 4
+    assert gemm_row_tile(64, target, row_bytes=2048) == 8  # two set offsets: 12 rows at most
+    assert gemm_row_tile(64, target, row_bytes=3136) == 13
+    model = make_model(
+        [helper.make_node("Gemm", ["x", "w"], ["y"])],
+        [("x", FLOAT, [64, 1024])],
+        [("y", FLOAT, [64, 256])],
+        {"w": RNG.standard_normal((1024, 256)).astype(np.float32)},
+    )
+    (task,) = extract_tasks(optimize(import_model(model)))
+    assert task.default_config()["mr"] == 4
