@@ -1,9 +1,10 @@
 """The tuner: a model-guided search over each task's schedule space, within one budget.
 
-Per task the space is every config of its template's knobs that fits the registers (small for
-today's templates: tens to a few hundred points). Each round measures a batch: the default
-point first, then the configs the cost model ranks fastest among the unvisited ones, with an
-epsilon share picked at random so the model keeps seeing the space it ranks badly. The model
+Per task the space is every config of its template's knobs that fits the registers (tens to
+a few hundred points; a conv with several algorithms has each one's). Each round measures a
+batch: the default point first, then the configs the cost model ranks fastest among a random
+sample of the unvisited ones (SCORED_PER_ROUND), with an epsilon share picked at random so
+the model keeps seeing the space it ranks badly. The model
 is retrained on every ok measurement of the session and of the log (records of this model's
 tasks, for this target). The task scheduler gives the next batch to the task with the largest
 estimated share of the model's time (occurrences x best cost so far) that is still improving:
