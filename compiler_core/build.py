@@ -117,7 +117,6 @@ class LoweredGroup:
     packed: dict[str, np.ndarray]
     stages: list[StageInfo]
     target: Target  # the target it was lowered for (its vector width shaped the packing)
-    choices: dict[str, object] = dataclasses.field(default_factory=dict)  # the tuner's
 
 
 def lower_group(
@@ -145,9 +144,7 @@ def lower_group(
     func = te.lower([t for _, t in ctx.inputs], out_tensors, name)
     stages = _stage_infos(ctx, out_tensors)
     inputs = [value for value, _ in ctx.inputs]
-    return LoweredGroup(
-        name, func, inputs, outputs, ctx.packed_arrays, stages, target, dict(ctx.choices)
-    )
+    return LoweredGroup(name, func, inputs, outputs, ctx.packed_arrays, stages, target)
 
 
 def build_group(

@@ -9,10 +9,12 @@ and its epilogue share a key, and their tuning).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
 import math
+from collections.abc import Callable
 
 from compiler_core.build import LoweredGroup, lower_group
 from compiler_core.gpu.schedules import gpu_schedule_for, gpu_tunable_of
@@ -44,10 +46,23 @@ class Task:
     tunable: Tunable
     groups: list[str]  # names of the graph's groups that share the key
     flops: float  # of the group's direct algorithm: GFLOP/s compare across algorithms
-    # Algorithm -> variant, when the group has more than one (the default's lowering is
-    # `lowered`); configs then name theirs under ALGORITHM.
-    variants: dict[str, Variant] = dataclasses.field(default_factory=dict)
+    # The algorithms the group can run, when it has more than one (configs then name theirs
+    # under ALGORITHM), the untuned one, and how to lower the group with one of them: each is
+    # lowered when first asked for (a build applying one record lowers one).
+    algorithms: tuple[str, ...] = ()
     default_algorithm: str = ""
+    lower: Callable[[str], Variant] | None = dataclasses.field(default=None, repr=False)
+    _lowered: dict[str, Variant] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def variants(self) -> dict[str, Variant]:
+        """Algorithm -> variant, every one lowered (empty for a group of one algorithm)."""
+        return {algorithm: self._variant_of(algorithm) for algorithm in self.algorithms}
+
+    def _variant_of(self, algorithm: str) -> Variant:
+        if algorithm not in self._lowered:
+            self._lowered[algorithm] = self.lower(algorithm)
+        return self._lowered[algorithm]
 
     @property
     def template(self) -> str:
@@ -67,28 +82,31 @@ class Task:
         direct algorithm."""
         rest = dict(self.default_config() if config is None else config)
         algorithm = rest.pop(ALGORITHM, None)
-        if not self.variants:
+        if not self.algorithms:
             if algorithm is not None:
                 raise ValueError(f"{self.workload}: one algorithm only, no {ALGORITHM!r} knob")
             return Variant(self.lowered, self.tunable), rest
         algorithm = algorithm or DIRECT
-        if algorithm not in self.variants:
-            choices = sorted(self.variants)
-            raise ValueError(f"{self.workload}: {ALGORITHM}={algorithm!r} is not one of {choices}")
-        return self.variants[algorithm], rest
+        if algorithm not in self.algorithms:
+            raise ValueError(
+                f"{self.workload}: {ALGORITHM}={algorithm!r} is not one of {list(self.algorithms)}"
+            )
+        return self._variant_of(algorithm), rest
 
     def lowered_for(self, config: Config | None) -> LoweredGroup:
         return self.variant(config)[0].lowered
 
     def choices(self, config: Config | None) -> dict[str, object]:
         """What the group's builders must be told to compute `config`'s variant."""
-        variant, _ = self.variant(config)
-        return dict(variant.lowered.choices)
+        if not self.algorithms:
+            return {}
+        algorithm = dict(config or self.default_config()).get(ALGORITHM) or DIRECT
+        return {"conv_algorithm": algorithm}
 
     def default_config(self) -> dict[str, object]:
         """The untuned point: the default algorithm and its template's default knobs."""
         default = self.tunable.default_config()
-        return {ALGORITHM: self.default_algorithm, **default} if self.variants else default
+        return {ALGORITHM: self.default_algorithm, **default} if self.algorithms else default
 
     def records(self, config: Config | None = None) -> list[Record]:
         """The whole group's schedule with the template at `config` (for its variant)."""
@@ -111,7 +129,7 @@ class Task:
             knobs = variant.tunable.knobs
             for values in itertools.product(*(knob.choices for knob in knobs)):
                 config = dict(zip((knob.name for knob in knobs), values, strict=True))
-                if self.variants:
+                if self.algorithms:
                     config = {ALGORITHM: algorithm, **config}
                 if config != default and variant.tunable.fits(config_of_knobs(config)):
                     configs.append(config)
@@ -159,29 +177,30 @@ def extract_tasks(graph: Graph, target: Target | None = None) -> list[Task]:
             tunable = tunable_of(lowered.stages, target)
         if tunable is None:
             continue
-        variants = {} if target.is_gpu else _variants(graph, group, index, target, tunable)
+        algorithms = () if target.is_gpu else tuple(tunable.anchor.note("algorithms", ()))
+        if len(algorithms) < 2:
+            algorithms = ()
+        lower = functools.partial(_lower_variant, graph, group, index, target)
+        default = tunable.anchor.note("algorithm", "") if algorithms else ""
         # A group's identity is its direct algorithm's lowering: a change of the default
         # algorithm keeps its key, and its records.
-        direct = variants.get(DIRECT, Variant(lowered, tunable))
+        direct = lower(DIRECT) if algorithms and default != DIRECT else Variant(lowered, tunable)
         key, workload = workload_of(direct.lowered, direct.tunable)
         if key in tasks:
             tasks[key].groups.append(group.name)
             continue
-        algorithm = tunable.anchor.note("algorithm", "") if variants else ""
-        flops = flops_of(direct.tunable)
-        tasks[key] = Task(key, workload, lowered, tunable, [group.name], flops, variants, algorithm)
+        task = Task(key, workload, lowered, tunable, [group.name], flops_of(direct.tunable),
+                    algorithms, default, lower)  # fmt: skip
+        if algorithms:  # the two lowerings made here are the variants of their algorithms
+            task._lowered.update({default: Variant(lowered, tunable), DIRECT: direct})
+        tasks[key] = task
     return sorted(tasks.values(), key=lambda t: -t.flops * t.weight)
 
 
-def _variants(graph: Graph, group, index: int, target: Target, tunable: Tunable):
-    """The group lowered with each algorithm its anchor can run (none when it has one)."""
-    algorithms = tunable.anchor.note("algorithms", ())
-    if len(algorithms) < 2:
-        return {}
-    variants = {}
-    for algorithm in algorithms:
-        lowered = lower_group(graph, group, index, target, {"conv_algorithm": algorithm})
-        variant_tunable = tunable_of(lowered.stages, target)
-        if variant_tunable is not None:
-            variants[algorithm] = Variant(lowered, variant_tunable)
-    return variants
+def _lower_variant(graph: Graph, group, index: int, target: Target, algorithm: str) -> Variant:
+    """The group lowered with its conv told to run `algorithm`."""
+    lowered = lower_group(graph, group, index, target, {"conv_algorithm": algorithm})
+    tunable = tunable_of(lowered.stages, target)
+    if tunable is None:
+        raise ValueError(f"{lowered.name}: no template for its {algorithm} form")
+    return Variant(lowered, tunable)
