@@ -47,7 +47,8 @@ from compiler_core.loop.ir import (
     Unary,
     Var,
 )
-from compiler_core.loop.transform import stmt_exprs, walk_exprs, walk_stmts
+from compiler_core.loop.simplify import simplify_expr
+from compiler_core.loop.transform import stmt_exprs, substitute, walk_exprs, walk_stmts
 from compiler_core.target import Target
 
 # Chunks per thread of a parallel loop: enough that a preempted thread's share is small and
@@ -876,42 +877,13 @@ def build_module(funcs: Sequence[PrimFunc], target: Target, name: str = "kiln") 
     return module
 
 
-_STATIC_ARITHMETIC = {
-    "add": lambda a, b: a + b,
-    "sub": lambda a, b: a - b,
-    "mul": lambda a, b: a * b,
-    "floordiv": lambda a, b: a // b if b else None,
-    "mod": lambda a, b: a % b if b else None,
-}
-_STATIC_COMPARISONS = {
-    "lt": lambda a, b: a < b,
-    "le": lambda a, b: a <= b,
-    "gt": lambda a, b: a > b,
-    "ge": lambda a, b: a >= b,
-    "eq": lambda a, b: a == b,
-    "ne": lambda a, b: a != b,
-}
-
-
-def _static_index(scope: _Scope, e: Expr) -> int | None:
-    """The value of an index expression over constants and unrolled loops' indices (bound to
-    integer constants), or None when it varies at run time."""
-    if isinstance(e, Const) and e.dtype == INDEX:
-        return int(e.value)
-    if isinstance(e, Var):
-        value = scope.values.get(e.name)
-        if isinstance(value, ir.Constant) and isinstance(value.type, ir.IntType):
-            return int(value.constant)
-        return None
-    if isinstance(e, Binary) and e.op in _STATIC_ARITHMETIC and e.dtype == INDEX:
-        a, b = _static_index(scope, e.a), _static_index(scope, e.b)
-        return None if a is None or b is None else _STATIC_ARITHMETIC[e.op](a, b)
-    return None
-
-
-def _static_truth(scope: _Scope, e: Expr) -> bool | None:
-    """Whether a condition holds, when `_static_index` knows its operands (else None)."""
-    if isinstance(e, Binary) and e.op in _STATIC_COMPARISONS:
-        a, b = _static_index(scope, e.a), _static_index(scope, e.b)
-        return None if a is None or b is None else _STATIC_COMPARISONS[e.op](a, b)
-    return None
+def _static_truth(scope: _Scope, cond: Expr) -> bool | None:
+    """Whether a condition holds, when it depends only on constants and unrolled loops'
+    indices (bound to integer constants): the loop IR's own constant folding decides it."""
+    known = {
+        name: Const(int(value.constant), INDEX)
+        for name, value in scope.values.items()
+        if isinstance(value, ir.Constant) and isinstance(value.type, ir.IntType)
+    }
+    folded = simplify_expr(substitute(cond, known))
+    return bool(folded.value) if isinstance(folded, Const) else None

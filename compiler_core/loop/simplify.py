@@ -1,8 +1,9 @@
 """Index-arithmetic simplification and affine analysis for loop IR.
 
-`simplify` folds constants and removes neutral terms (x*1, x+0, x*0, min/max of equal
-operands, floordiv/mod by 1); `affine` reads an integer expression as sum(c_v * v) + c0, which
-is what bound inference for compute_at and cache_write needs.
+`simplify` folds constants (index arithmetic and comparisons) and removes neutral terms
+(x*1, x+0, x*0, min/max of equal operands, floordiv/mod by 1); `affine` reads an integer
+expression as sum(c_v * v) + c0, which is what bound inference for compute_at and cache_write
+needs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def _is_const(e: Expr, value=None) -> bool:
     return isinstance(e, Const) and (value is None or e.value == value)
 
 
+def _is_index_const(e: Expr) -> bool:
+    return isinstance(e, Const) and e.dtype == INDEX
+
+
 def canonical(coeffs: Mapping[str, int], constant: int) -> Expr:
     """sum(c_v * v) + c0 with variables in name order: equal forms print equally."""
     result: Expr | None = None
@@ -48,7 +53,21 @@ def canonical(coeffs: Mapping[str, int], constant: int) -> Expr:
     return result if constant == 0 else Binary("add", result, Const(constant, INDEX))
 
 
+# Comparisons of two index constants fold to a bool constant (a guard or a select on an
+# unrolled loop's index, once the index is known).
+_COMPARE = {
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+}
+
+
 def _simplify_node(e: Expr) -> Expr | None:
+    if isinstance(e, Binary) and e.op in _COMPARE and _is_index_const(e.a) and _is_index_const(e.b):
+        return Const(_COMPARE[e.op](e.a.value, e.b.value), "bool")
     if not isinstance(e, Binary) or e.dtype != INDEX:
         return None
     if e.op in ("add", "sub", "mul"):
