@@ -15,7 +15,9 @@ blocked data (a segmentation head of 2 classes after a blocked chain): when
 they do not fill whole blocks (ShuffleNet's 58, the 230 of R(2+1)D's mid planes) the last block
 is padded (see `graph/ops/layout.py`), so that an odd channel count never leaves the fast
 path; or a conv whose groups' input and output channels are multiples of the block, or whose
-groups are smaller than a block and fill it (as many inputs as outputs per group). The block
+groups are smaller than a block and fill it (as many inputs as outputs per group). Not blocked:
+a 1-D conv of plain data with a short reduction (`im2col_conv`: a raw-audio stem) whose output
+no reader could take blocked; it runs as a GEMM that writes its plain output directly. The block
 is the one of a vector register of float32 or 8 lanes, whichever pads least (the larger on a
 tie). A plain conv reads its data in whatever block its producer wrote; a grouped one reads it
 in its own block, so that every input block belongs to one group.
@@ -32,6 +34,7 @@ from compiler_core.graph.ops import OP_TABLE
 from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout, blocks_for, to_blocked
 from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.graph.ops.reduce import reduce_axes
+from compiler_core.kernels.nn import im2col_conv
 from compiler_core.kernels.winograd import conv_algorithms
 
 NAME = "transform_layout"
@@ -66,6 +69,10 @@ class _Rewriter:
         # plain value -> {block: the value's twin in NCHW[block]c}
         self.blocked: dict[str, dict[int, str]] = {}
         self.plain: set[str] = set(graph.inputs) | set(graph.constants)  # materialized
+        self.readers: dict[str, list[Node]] = {}
+        for node in graph.nodes:
+            for value in node.inputs:
+                self.readers.setdefault(value, []).append(node)
 
     # --- values in either layout ------------------------------------------------------------
 
@@ -136,6 +143,8 @@ class _Rewriter:
     def visit(self, node: Node) -> None:
         data_blocked = bool(node.inputs) and node.inputs[0] in self.blocked
         block = _conv_block(self.graph, node, self.blocks, data_blocked)
+        if block and not data_blocked and self._im2col_plain(node):
+            block = 0
         if block:
             self._blocked_conv(node, block)
         elif self._carried_block(node):
@@ -170,6 +179,16 @@ class _Rewriter:
             "out_layout": self._layout(node.outputs[0], block),
         }
         self._produce_blocked(node, (data, *node.inputs[1:]), block, attrs)
+
+    def _im2col_plain(self, node: Node) -> bool:
+        """Whether a conv of plain data stays plain: it runs as a GEMM over im2col columns
+        (`kernels/nn.py:im2col_conv`, vectorized along positions) and no reader of its output
+        could take it blocked (a graph output, a GroupNorm): blocked, its output would only be
+        unblocked again, a pass over it that can cost more than the conv."""
+        x, w = self.graph.types[node.inputs[0]], self.graph.types[node.inputs[1]]
+        if not im2col_conv(x.shape, w.shape, node.attr("group", 1), x.dtype):
+            return False
+        return not any(_may_read_blocked(r) for r in self.readers.get(node.outputs[0], []))
 
     def _data_inputs(self, node: Node) -> list[str]:
         return [v for v in node.inputs if v and self.graph.types[v].size != 1]
@@ -229,6 +248,13 @@ class _Rewriter:
         data = set(self._data_inputs(node))
         inputs = tuple(self.as_blocked(v, block) if v in data else v for v in node.inputs)
         self._produce_blocked(node, inputs, block)
+
+
+def _may_read_blocked(node: Node) -> bool:
+    """Whether the pass may give `node` blocked data: a conv, a pool, a spatial reduction, a
+    Concat or an elementwise op (which carries its operand's block)."""
+    layout_ops = ("Conv", "Concat", *POOLS, *SPATIAL_REDUCTIONS)
+    return node.op in layout_ops or OP_TABLE[node.op].kind <= OpKind.BROADCAST
 
 
 def _channels_aligned(operand: tuple[int, ...], shape: tuple[int, ...]) -> bool:

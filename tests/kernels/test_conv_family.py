@@ -11,6 +11,8 @@ import pytest
 from onnx import helper
 
 import compiler_core
+from compiler_core.autotune.measure import MeasureOptions, Measurer
+from compiler_core.autotune.tasks import extract_tasks
 from compiler_core.compiler import compile_graph
 from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.ir import Graph, Node, TensorType
@@ -18,7 +20,7 @@ from compiler_core.graph.ops.layout import to_blocked, to_plain
 from compiler_core.passes import fuse_operators
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
-from compiler_core.target import host_target
+from compiler_core.target import host_target, parse_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
 from tests.passes.test_transform_layout import squeeze_excitation_model
 
@@ -123,7 +125,8 @@ CASES = {
     "conv1d_grouped": lambda: conv_case(32, 32, [23], 5, pad=2, group=2),
     "conv1d_grouped_8_per_group": lambda: conv_case(32, 32, [31], 7, pad=3, group=4),
     "conv1d_depthwise": lambda: conv_case(16, 16, [19], 3, pad=1, group=16),
-    "conv1d_one_input_channel": lambda: conv_case(1, 16, [203], 10, stride=5),
+    # 8 filters of 10 taps: a reduction longer than the rows, so not an im2col GEMM (below).
+    "conv1d_one_input_channel": lambda: conv_case(1, 8, [203], 10, stride=5),
     "conv1d_chain": chain_1d,
     "conv1d_pooled": pooled_1d,
     "conv3d_pooled": pooled_3d,
@@ -157,6 +160,66 @@ def test_blocked_conv_matches_onnxruntime(name):
     module = load(compiler_core.compile(model))
     actual = module.run(feeds)["y"]
     assert_close_to_scale(actual, ort_output(model, feeds), label=name)
+
+
+# --- 1-D convs with a short reduction: a GEMM over im2col columns, plain output --------------
+
+
+def batched(model, batch: int):
+    """`model` with its input's and output's batch set to `batch`."""
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = batch
+    return model
+
+
+IM2COL_CASES = {
+    "raw_audio_stem": lambda: conv_case(1, 16, [203], 10, stride=5),
+    "padded_dilated": lambda: conv_case(2, 24, [37], 5, pad=2, dilation=2, bias=False),
+    "three_channels_batch_2": lambda: batched(conv_case(3, 32, [100], 7, stride=3), 2),
+    "ragged_row_tile": lambda: conv_case(1, 13, [31], 4),  # 13 rows, 28 positions
+}
+
+
+@pytest.mark.parametrize("name", list(IM2COL_CASES))
+def test_im2col_conv_writes_plain_output_and_matches_onnxruntime(name):
+    model = IM2COL_CASES[name]()
+    graph = optimize(import_model(model), target=host_target())
+    (conv,) = [n for n in graph.nodes if n.op == "Conv"]
+    assert conv.attr("out_layout", "NCW") == "NCW", name
+    assert not [n for n in graph.nodes if n.op == "LayoutTransform"], name
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = {"x": rand(*shape)}
+    module = load(compiler_core.compile(model))
+    assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
+
+
+def test_im2col_conv_is_a_task_of_the_dense_template():
+    graph = optimize(import_model(IM2COL_CASES["raw_audio_stem"]()), target=host_target())
+    (task,) = extract_tasks(graph)
+    assert task.tunable.template.name == "dense"
+    assert task.tunable.anchor.note("layout") == "im2col"
+
+
+def test_every_knob_value_of_an_im2col_conv_measures_correct():
+    """Each knob of the dense template off its default, one at a time (`pack=0` reads the
+    columns straight from the input, lane by lane), checked by the measurer against the
+    reference answer."""
+    model = IM2COL_CASES["three_channels_batch_2"]()
+    (task,) = extract_tasks(optimize(import_model(model), target=host_target()))
+    default = task.tunable.default_config()
+    configs = [default] + [
+        {**default, knob.name: value}
+        for knob in task.tunable.knobs
+        for value in knob.choices
+        if value != knob.default and task.tunable.fits({**default, knob.name: value})
+    ]
+    assert any(c["pack"] == 0 for c in configs)
+    with Measurer(parse_target("llvm"), MeasureOptions(repeats=1, min_repeat_seconds=0)) as m:
+        results = m.measure(task, configs)
+    errors = [
+        (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
+    ]
+    assert not errors, errors[:3]
 
 
 # --- channel counts no block divides: blocked convs with a padded last block -------------------

@@ -431,3 +431,29 @@ def test_grouped_conv_reads_its_own_block():
     ]
     assert transforms == [("NCHW16c", "NCHW8c"), ("NCHW8c", "NCHW")]
     assert_same_function(before, after)
+
+
+def stem_model(reader: str):
+    """A raw-audio stem (1 channel, 10 taps, stride 5, 16 filters) read by `reader`."""
+    nodes = [conv("stem", "x", "w", "a", strides=[5])]
+    if reader == "Softmax":
+        nodes.append(helper.make_node("Softmax", ["a"], ["y"], name="softmax", axis=1))
+    else:
+        nodes.append(helper.make_node(reader, ["a"], ["y"], name="reader"))
+    return make_model(
+        nodes, [("x", FLOAT, [1, 1, 205])], [("y", FLOAT, [1, 16, 40])], {"w": rand(16, 1, 10)}
+    )
+
+
+@pytest.mark.parametrize(
+    "reader, blocked", [("Softmax", False), ("Identity", False), ("Relu", True)]
+)
+def test_short_reduction_conv_stays_plain_unless_a_reader_takes_it_blocked(reader, blocked):
+    """An im2col conv writes plain output from its GEMM tile; blocking it pays only when a
+    reader keeps the block (an elementwise op may carry it into a chain)."""
+    before = before_layout(stem_model(reader))
+    after = transform_layout.run(before)
+    expected = ("NCW", "NCW16c") if blocked else ("NCHW", "NCHW")  # (no layout attributes)
+    assert layouts(after) == [("stem", *expected)]
+    assert any(n.op == "LayoutTransform" for n in after.nodes) == blocked
+    assert_same_function(before, after)
