@@ -19,7 +19,7 @@ from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp
-from compiler_core.kernels.schedules import gemm_row_tile, nchwc_row_width
+from compiler_core.kernels.schedules import GEMM_COLUMN_STEP, gemm_row_tile, nchwc_row_width
 from compiler_core.kernels.winograd import (
     conv_algorithms,
     default_algorithm,
@@ -487,19 +487,31 @@ def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale:
     panels, width = _runtime_panels(ctx, node, b, transpose)
     ctx.note(panels.name, materialize=True)
     # Unpacked, the tile reads B with unit stride when B is an input of the kernel laid out
-    # [.., K, N] and no tile is partial: packing is then not the default.
-    unit_stride = b.is_placeholder and not transpose and panels.shape[-3] * width == b.shape[-1]
+    # [.., K, N] with at least a panel's columns (the GEMM's columns are then not padded, and
+    # a tail tile covers the last ones): packing is then not the default.
+    unit_stride = b.is_placeholder and not transpose and b.shape[-1] >= width
     pack = Pack(panels.name, default=not unit_stride)
     return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, pack
 
 
-def _tiled_shape(ctx: KernelContext, out_shape, width: int, a_row_bytes: int = 0):
-    """The GEMM stage's shape: whole register tiles, rows padded to a multiple of the default
-    row tile and columns to the panel width (a partial last tile costs no scalar loop).
-    `a_row_bytes`: A's row stride, when the tile reads A's rows along K (see gemm_row_tile)."""
+def _tiled_shape(
+    ctx: KernelContext, out_shape, width: int, a_row_bytes: int = 0, exact_columns=False
+):
+    """The GEMM stage's shape: rows padded to a multiple of the default row tile, columns to
+    the panel width when they fit one panel, else to the tiles' column step (a partial last
+    tile costs no scalar loop; the columns past the last whole tile are a tail tile, see
+    `matmul_schedule`), or not at all with
+    `exact_columns` (B read where it lies: a tail tile that ends at the last column reads
+    nothing past B's rows). `a_row_bytes`: A's row stride, when the tile reads A's rows along
+    K (see gemm_row_tile)."""
     *batch_shape, rows, cols = out_shape
     mr = gemm_row_tile(rows, ctx.target, _panel_vectors(width, ctx), a_row_bytes)
-    return (*batch_shape, -(-rows // mr) * mr, -(-cols // width) * width)
+    if cols <= width:  # one panel (of whole vectors): one tile
+        cols = width
+    elif not exact_columns:
+        step = min(ctx.target.vector_lanes, GEMM_COLUMN_STEP)
+        cols = -(-cols // step) * step
+    return (*batch_shape, -(-rows // mr) * mr, cols)
 
 
 def _panel_vectors(width: int, ctx: KernelContext) -> int:
@@ -573,7 +585,8 @@ def _matmul(ctx: KernelContext, node: Node):
     b_batch = b_type.shape[:-2] if pack else ()
     batch_shape, rows = out_shape[:-2], out_shape[-2]
     a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
-    shape = _tiled_shape(ctx, out_shape, width, a_row_bytes)
+    exact = pack is not None and not pack.default
+    shape = _tiled_shape(ctx, out_shape, width, a_row_bytes, exact_columns=exact)
 
     def body(*index):
         batch, i, j = index[:-2], index[-2], index[-1]
@@ -675,7 +688,8 @@ def _gemm(ctx: KernelContext, node: Node):
     rows = out.shape[0]
     a_type = ctx.type(a_value)
     a_row_bytes = 0 if trans_a else a_type.shape[1] * np.dtype(a_type.dtype).itemsize
-    shape = _tiled_shape(ctx, out.shape, width, a_row_bytes)
+    exact = pack is not None and not pack.default
+    shape = _tiled_shape(ctx, out.shape, width, a_row_bytes, exact_columns=exact)
 
     def body(i, j):
         row = _row(i, rows, shape[0])

@@ -118,13 +118,14 @@ def _kept_sources(stage: StageInfo, inlined: set[str], all_stages) -> set[str]:
     return sources
 
 
-def _vector_tile_io(stage: StageInfo) -> list[Record]:
+def _vector_tile_io(stage: StageInfo, suffix: str = "") -> list[Record]:
     """Vectorize the accumulator tile's zero fill and its store (which carries the epilogue)
     along the tile's innermost axis, as the reduction itself is: left scalar and unrolled,
     LLVM's SLP vectorizer does not reassemble them (MobileNetV2's 1x1 convs ran 2.5x slower).
-    """
+    `suffix`: the cache's (CacheWrite.suffix)."""
     last = len(stage.shape) - 1
-    return [Vectorize(f"{stage.name}_init{last}"), Vectorize(f"{stage.name}_wb{last}")]
+    name = f"{stage.name}{suffix}"
+    return [Vectorize(f"{name}_init{last}"), Vectorize(f"{name}_wb{last}")]
 
 
 def conv_schedule(
@@ -493,7 +494,11 @@ def matmul_schedule(
     row-tile and column-tile loops, the parallel loop (`outer`: the outermost loop with work;
     `fused`: the batch loops fused with the first tile loop, or without batch loops both tile
     loops, so that every thread gets an even share), and `pack`: whether an activation B is
-    packed into panels by a stage of its own (else the GEMM reads it where it is)."""
+    packed into panels by a stage of its own (else the GEMM reads it where it is).
+
+    Columns that nr does not divide go to a tail tile after the whole tiles
+    (`gemm_column_tail`): its own nest, ending at the last column (197 columns: six tiles of
+    32 and one of 8 at column 189), instead of padding the columns to a multiple of nr."""
     rank = len(mm.shape)
     batch_loops = [mm.loop(k) for k in range(rank - 2)]
     i_loop, j_loop = mm.loop(rank - 2), mm.loop(rank - 1)
@@ -510,37 +515,109 @@ def matmul_schedule(
             batch_loops[0] = f"{batch_loops[0]}_{loop}_f"
         i_loop, batch_loops = batch_loops[0], []
     mr, nr = int(config["mr"]), int(config["nr"])
-    records += [Split(i_loop, mr), Split(j_loop, nr)]
-    inner_j = [f"{j_loop}_i"]
-    lanes = target.vector_lanes
-    if nr > lanes and nr % lanes == 0:
-        records.append(Split(f"{j_loop}_i", lanes))
-        inner_j = [f"{j_loop}_i_o", f"{j_loop}_i_i"]
     rows, cols = _gemm_rows(mm)[0], mm.shape[-1]
-    batch = list(zip(batch_loops, mm.shape[: len(batch_loops)], strict=True))
-    tiles = [(f"{i_loop}_o", -(-rows // mr)), (f"{j_loop}_o", -(-cols // nr))]
-    if config["order"] == "ji":
-        tiles = tiles[::-1]
-    order = (*batch_loops, *(name for name, _ in tiles), k_loop, f"{i_loop}_i", *inner_j)
-    records += [Reorder(order), CacheWrite(mm.name, k_loop)]
-    if nr >= 4:
-        records += [Vectorize(inner_j[-1]), *_vector_tile_io(mm)]
-    if len(inner_j) == 2:
-        records.append(Unroll(inner_j[0]))
-    records.append(Unroll(f"{i_loop}_i"))
+    tail = gemm_column_tail(cols, nr, target.vector_lanes)
+    row_tiles = -(-rows // mr)
+    if tail:
+        records += [
+            Reorder((*batch_loops, j_loop, i_loop, k_loop)),
+            SplitOverlap(j_loop, nr, tail),
+        ]
+        nests = [
+            _GemmNest(f"{j_loop}_o", cols // nr, f"{j_loop}_i", nr, i_loop, k_loop, ""),
+            _GemmNest(None, 1, f"{j_loop}_t", tail, f"{i_loop}_t", f"{k_loop}_t", "_t"),
+        ]
+    else:
+        records.append(Split(j_loop, nr))
+        nests = [_GemmNest(f"{j_loop}_o", cols // nr, f"{j_loop}_i", nr, i_loop, k_loop, "")]
+    parallel: list[list[tuple[str, int]]] = []
+    for nest in nests:
+        tiles = [(f"{nest.rows}_o", row_tiles)]
+        if nest.column_tiles is not None:
+            tiles.append((nest.column_tiles, nest.column_tile_count))
+        if config["order"] == "ji":
+            tiles = tiles[::-1]
+        outer = batch_loops if not tail else []
+        records += _gemm_tile(mm, nest, mr, outer, [name for name, _ in tiles], target)
+        parallel.append(tiles)
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    outer = [*batch, *tiles]
+    batch = list(zip(batch_loops, mm.shape[: len(batch_loops)], strict=True))
+    if not tail:
+        return records + _gemm_parallel([*batch, *parallel[0]], len(batch), config)
+    if batch:  # both nests inside the batch loops: the threads share the batches
+        return records + _gemm_parallel(batch, len(batch), config)
+    for tiles in parallel:  # the two nests side by side: each splits its own tiles
+        records += _gemm_parallel(tiles, 0, config)
+    return records
+
+
+@dataclasses.dataclass(frozen=True)
+class _GemmNest:
+    """The loops of one nest of a GEMM stage: its column tiles (None: the one tail tile), the
+    columns inside a tile, its row loop and reduction loop, and its cache's suffix."""
+
+    column_tiles: str | None
+    column_tile_count: int
+    columns: str
+    width: int
+    rows: str
+    reduction: str
+    suffix: str
+
+
+def _gemm_tile(
+    mm: StageInfo, nest: _GemmNest, mr: int, outer: list[str], tiles: list[str], target: Target
+) -> list[Record]:
+    """One nest's register tile: mr rows x `nest.width` columns of accumulators over the whole
+    reduction, vectorized along the columns, its rows and vectors unrolled."""
+    lanes = target.vector_lanes
+    records: list[Record] = [Split(nest.rows, mr)]
+    inner_j = [nest.columns]
+    if nest.width > lanes and nest.width % lanes == 0:
+        records.append(Split(nest.columns, lanes))
+        inner_j = [f"{nest.columns}_o", f"{nest.columns}_i"]
+    order = (*outer, *tiles, nest.reduction, f"{nest.rows}_i", *inner_j)
+    records += [Reorder(order), CacheWrite(mm.name, nest.reduction, nest.suffix)]
+    if nest.width >= 4:
+        records += [Vectorize(inner_j[-1]), *_vector_tile_io(mm, nest.suffix)]
+    if len(inner_j) == 2:
+        records.append(Unroll(inner_j[0]))
+    records.append(Unroll(f"{nest.rows}_i"))
+    return records
+
+
+def _gemm_parallel(outer: list[tuple[str, int]], batch: int, config) -> list[Record]:
+    """The parallel loop over `outer` ((loop, extent), outermost first; the first `batch` of
+    them batch loops): `fused`, the batch loops and the first tile loop (without batch loops
+    the tile loops) fused into one; `outer`, the outermost loop with work."""
     if config["parallel"] == "fused":
-        fused = [name for name, _ in outer[: len(batch) + 1 if batch else 2]]
+        fused = [name for name, _ in outer[: batch + 1 if batch else 2]]
+        records: list[Record] = []
         for name in fused[1:]:
             records.append(Fuse(fused[0], name))
             fused[0] = f"{fused[0]}_{name}_f"
         return [*records, Parallel(fused[0])]
-    parallel = next((name for name, extent in outer if extent > 1), None)
-    if parallel is not None:
-        records.append(Parallel(parallel))
-    return records
+    loop = next((name for name, extent in outer if extent > 1), None)
+    return [] if loop is None else [Parallel(loop)]
+
+
+def gemm_column_tail(columns: int, nr: int, lanes: int) -> int:
+    """Columns of a GEMM's tail tile after its whole nr-wide ones: what is left, rounded up to
+    a multiple of GEMM_COLUMN_STEP (to a whole nr when nr is not a number of vectors); 0 when
+    nr divides the columns."""
+    left = columns % nr
+    if not left:
+        return 0
+    step = min(lanes, GEMM_COLUMN_STEP) if nr % lanes == 0 else nr
+    return min(-(-left // step) * step, nr, columns)
+
+
+# A GEMM's columns are computed in multiples of 8 (a ymm register): a short remainder wastes
+# less of an 8-lane tail than of a 16-lane one, and a core that splits 512-bit operations in
+# two (Zen 4) runs 8-lane FMAs at the same FLOP rate (ViT's 197-column Q.K^T: a 16-lane tail
+# 0.295 ms, an 8-lane one 0.286).
+GEMM_COLUMN_STEP = 8
 
 
 def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
@@ -552,9 +629,10 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
         default_mr = noted
     else:
         default_mr = _largest_divisor(rows, range(max_accumulators(target) // 2, 1, -1))
-    default_nr = panel if cols % panel == 0 else _largest_divisor(cols, (32, 16, 8, 4))
+    # Columns nr does not divide go to a tail tile (see matmul_schedule).
+    default_nr = min(panel, cols)
     mrs = tuple(m for m in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16) if rows % m == 0)
-    nrs = {n for n in (4, 8, 16, 32, 48, 64) if cols % n == 0}
+    nrs = {n for n in (4, 8, 16, 32, 48, 64) if n <= cols}
     if mm.note("panel"):  # a tile across two panels reads B lane by lane
         nrs = {n for n in nrs if panel % n == 0}
     nrs = tuple(sorted(nrs | {default_nr}))
@@ -579,7 +657,7 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
 
 def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) -> bool:
     """mr x nr accumulators plus a row of B must fit the vector registers."""
-    vectors = max(int(config["nr"]) // target.vector_lanes, 1)
+    vectors = -(-int(config["nr"]) // target.vector_lanes)
     return int(config["mr"]) * vectors + vectors <= target.vector_registers
 
 

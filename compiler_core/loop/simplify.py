@@ -74,6 +74,8 @@ def _simplify_node(e: Expr) -> Expr | None:
         form = affine(e)
         if form is not None:
             return canonical(*form)
+        if e.op in ("add", "sub"):
+            return _joined_divmod(e)
     a, b, op = e.a, e.b, e.op
     if _is_const(a) and _is_const(b) and op in _FOLD:
         if op in ("floordiv", "mod") and b.value == 0:
@@ -100,6 +102,55 @@ def _simplify_node(e: Expr) -> Expr | None:
     if op in ("min", "max") and a == b:
         return a
     return None
+
+
+def _terms(e: Expr) -> tuple[dict[Expr, int], int]:
+    """`e` as sum(c_t * t) + c0 over terms that are not sums, differences or products by a
+    constant (variables, floor divisions, modulos, products of variables)."""
+    if isinstance(e, Const) and e.dtype == INDEX:
+        return {}, int(e.value)
+    if isinstance(e, Binary) and e.dtype == INDEX and e.op in ("add", "sub"):
+        (ta, ka), (tb, kb) = _terms(e.a), _terms(e.b)
+        sign = 1 if e.op == "add" else -1
+        terms = dict(ta)
+        for t, c in tb.items():
+            terms[t] = terms.get(t, 0) + sign * c
+        return {t: c for t, c in terms.items() if c}, ka + sign * kb
+    if isinstance(e, Binary) and e.dtype == INDEX and e.op == "mul":
+        for scale, rest in ((e.a, e.b), (e.b, e.a)):
+            if _is_index_const(scale):
+                terms, constant = _terms(rest)
+                c = int(scale.value)
+                return {t: c * k for t, k in terms.items() if c * k}, c * constant
+    return {e: 1}, 0
+
+
+def _joined_divmod(e: Expr) -> Expr | None:
+    """k*d*(x // d) + k*(x % d) -> k*x: an index split into a panel and a lane and joined again
+    (a packing stage inlined into the GEMM that reads it), when no range rewrote it first."""
+    terms, constant = _terms(e)
+    joined = False
+    for t in list(terms):
+        if not (isinstance(t, Binary) and t.op == "floordiv" and _is_index_const(t.b)):
+            continue
+        divisor = int(t.b.value)
+        lane = Binary("mod", t.a, t.b)
+        k = terms.get(lane, 0)
+        if divisor <= 0 or t not in terms or not k or terms[t] != k * divisor:
+            continue
+        del terms[t], terms[lane]
+        inner, inner_constant = _terms(t.a)
+        for u, c in inner.items():
+            terms[u] = terms.get(u, 0) + k * c
+        constant += k * inner_constant
+        joined = True
+    if not joined:
+        return None
+    result: Expr = Const(constant, INDEX)
+    for t, c in terms.items():
+        if c:
+            result = Binary("add", result, t if c == 1 else Binary("mul", t, Const(c, INDEX)))
+    return map_expr(result, _simplify_node)
 
 
 def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
@@ -134,6 +185,47 @@ def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
     return Binary("add", canonical({v: c for v, c in quotient.items() if c}, q0), remainder)
 
 
+def value_range(e: Expr, ranges: Mapping[str, int]) -> tuple[int, int] | None:
+    """(least, greatest) value of an affine `e` when every variable runs over 0..extent-1;
+    None when `e` is not affine or reads a variable without a range."""
+    form = affine(e)
+    if form is None or any(name not in ranges for name in form[0]):
+        return None
+    coeffs, constant = form
+    spans = [c * (ranges[name] - 1) for name, c in coeffs.items()]
+    return constant + sum(min(0, s) for s in spans), constant + sum(max(0, s) for s in spans)
+
+
+def _decided_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
+    """A min or max of index values, or a comparison of them, that the loop ranges decide:
+    what a tile leaves behind where it never reaches an edge (the clamp of a padded column, the
+    guard of a crop, in every whole tile of a GEMM)."""
+    if not isinstance(e, Binary) or e.a.dtype != INDEX or e.b.dtype != INDEX:
+        return None
+    if e.op in ("min", "max"):
+        a, b = value_range(e.a, ranges), value_range(e.b, ranges)
+        if a is None or b is None:
+            return None
+        if a[1] <= b[0]:
+            return e.a if e.op == "min" else e.b
+        if b[1] <= a[0]:
+            return e.b if e.op == "min" else e.a
+        return None
+    if e.op not in _COMPARE:
+        return None
+    difference = value_range(Binary("sub", e.a, e.b), ranges)
+    if difference is None:
+        return None
+    low, high = difference
+    if e.op in ("eq", "ne"):
+        if low < 0 < high or (low != high and 0 in (low, high)):
+            return None  # the difference may be zero or not
+        return Const(_COMPARE[e.op](low, 0), "bool")
+    # The other comparisons are monotonic in the difference: its ends decide them.
+    outcomes = {_COMPARE[e.op](low, 0), _COMPARE[e.op](high, 0)}
+    return Const(outcomes.pop(), "bool") if len(outcomes) == 1 else None
+
+
 def simplify_expr(e: Expr, ranges: Mapping[str, int] | None = None) -> Expr:
     if not ranges:
         return map_expr(e, _simplify_node)
@@ -142,6 +234,9 @@ def simplify_expr(e: Expr, ranges: Mapping[str, int] | None = None) -> Expr:
         reduced = _divmod_by_ranges(x, ranges)
         if reduced is not None:
             return map_expr(reduced, _simplify_node)
+        decided = _decided_by_ranges(x, ranges)
+        if decided is not None:
+            return decided
         return _simplify_node(x)
 
     return map_expr(e, node)

@@ -36,7 +36,7 @@ from compiler_core.loop.ir import (
     Var,
     seq,
 )
-from compiler_core.loop.simplify import bounds, max_value, simplify_stmt
+from compiler_core.loop.simplify import affine, bounds, max_value, simplify_stmt
 from compiler_core.loop.transform import (
     find_loop,
     map_expr,
@@ -63,12 +63,17 @@ class Split:
 @dataclasses.dataclass(frozen=True)
 class SplitOverlap:
     """Split `loop` into `loop_o` x `loop_i` over its whole `factor`-sized chunks, and cover
-    the remainder with one more chunk, `loop_t`, that ends at the loop's end (it overlaps the
-    last whole chunk): a row of 197 is 24 vectors and a vector at 189, not a scalar tail.
-    Overlapped iterations run twice, so the loop's stores must not read what they write."""
+    the remainder with one more chunk of `tail` iterations (`factor` when 0), `loop_t`, that
+    ends at the loop's end (it may overlap the last whole chunk): a row of 197 is 24 vectors
+    and a vector at 189, not a scalar tail; a GEMM's 197 columns are six tiles of 32 and one
+    of 16 at column 181. Loops inside the tail chunk take the suffix `_t` (`rk` -> `rk_t`),
+    so that later records address each copy. Overlapped iterations run twice: each must
+    write its own elements, and anything it reads of them it must first have written itself
+    (a reduction's initial value)."""
 
     loop: str
     factor: int
+    tail: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +109,9 @@ class ComputeInline:
 
 @dataclasses.dataclass(frozen=True)
 class ReverseComputeInline:
-    """Fold a pure consumer stage (an epilogue: bias, residual add, relu...) into the single
-    store of the stage it reads, so the epilogue runs on the value before it is stored."""
+    """Fold a pure consumer stage (an epilogue: bias, residual add, relu...) into the stores
+    of the stage it reads (one per nest computing it), so the epilogue runs on the value
+    before it is stored."""
 
     stage: str
 
@@ -119,10 +125,13 @@ class ComputeAt:
 @dataclasses.dataclass(frozen=True)
 class CacheWrite:
     """Accumulate the part of `stage` computed inside `loop` in a local buffer (registers),
-    and store it to memory once, after `loop`."""
+    and store it to memory once, after `loop`. The buffer is `{stage}{suffix}_local`, its fill
+    and store loops `{stage}{suffix}_init{d}` and `_wb{d}`: a stage computed by two nests (a
+    GEMM's whole tiles and its tail tile) caches each under its own `suffix`."""
 
     stage: str
     loop: str
+    suffix: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,22 +299,72 @@ def split_overlap(func: PrimFunc, r: SplitOverlap) -> PrimFunc:
     loop = _loop(func, r.loop, r)
     if not 1 <= r.factor <= loop.extent:
         raise ScheduleError(f"{r}: factor must be in 1..{loop.extent}")
-    stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store)]
-    written = {s.buffer for s in stores}
-    reads = {x.buffer for s in stores for x in walk_exprs(s.value) if isinstance(x, Load)}
-    if reads & written:
-        raise ScheduleError(f"{r}: a store reads what the loop writes; overlap would repeat it")
+    size = r.tail or r.factor
+    remainder = loop.extent % r.factor
+    if remainder and not remainder <= size <= loop.extent:
+        raise ScheduleError(f"{r}: the tail must cover the {remainder} left (at most the loop)")
+    overlap = remainder and size > remainder
+    if overlap and not _rerunnable(loop):
+        raise ScheduleError(
+            f"{r}: an iteration reads what it did not write; overlap would repeat it"
+        )
     outer = _fresh_loop_name(func, f"{r.loop}_o", r)
     inner = _fresh_loop_name(func, f"{r.loop}_i", r)
     tail = _fresh_loop_name(func, f"{r.loop}_t", r)
     whole = loop.extent // r.factor
     index = Binary("add", Binary("mul", outer, Const(r.factor, INDEX)), inner)
     new: Stmt = For(outer, whole, For(inner, r.factor, substitute(loop.body, {r.loop: index})))
-    if loop.extent % r.factor:
-        start = Const(loop.extent - r.factor, INDEX)
-        rest = For(tail, r.factor, substitute(loop.body, {r.loop: Binary("add", start, tail)}))
-        new = seq(new, rest)
+    if remainder:
+        start = Const(loop.extent - size, INDEX)
+        body = _renamed_loops(substitute(loop.body, {r.loop: Binary("add", start, tail)}), "_t")
+        for name in {s.var.name for s in walk_stmts(body) if isinstance(s, For)}:
+            _fresh_loop_name(func, name, r)
+        new = seq(new, For(tail, size, body))
     return _with_body(func, replace_stmt(func.body, loop, new))
+
+
+def _renamed_loops(body: Stmt, suffix: str) -> Stmt:
+    """`body` with every loop it holds renamed `name + suffix` (and every use of its var)."""
+    names = {s.var.name for s in walk_stmts(body) if isinstance(s, For)}
+    if not names:
+        return body
+    body = substitute(body, {name: Var(name + suffix) for name in names})
+
+    def rename(s: Stmt):
+        if isinstance(s, For) and s.var.name in names:
+            return dataclasses.replace(s, var=Var(s.var.name + suffix))
+        return None
+
+    return map_stmt(body, stmt_fn=rename)
+
+
+def _rerunnable(loop: For) -> bool:
+    """Whether running some iterations of `loop` again leaves what one run left: every store
+    writes elements of its own iteration (an index affine in the loop's variable), and a store
+    that reads its buffer reads only the element it writes, which a store that reads nothing of
+    that buffer (a reduction's initial value, under guards of inner loops only) also writes."""
+    stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store)]
+    written = {s.buffer for s in stores}
+    var = loop.var.name
+    for s in stores:
+        if not any(_affine_in(i, var) for i in s.indices):
+            return False
+        reads = [x for x in walk_exprs(s.value) if isinstance(x, Load) and x.buffer in written]
+        if any(x.buffer != s.buffer or x.indices != s.indices for x in reads):
+            return False
+        if reads and not any(
+            t.buffer == s.buffer
+            and t.indices == s.indices
+            and not any(isinstance(x, Load) and x.buffer == s.buffer for x in walk_exprs(t.value))
+            for t in stores
+        ):
+            return False
+    return True
+
+
+def _affine_in(e: Expr, var: str) -> bool:
+    form = affine(e)
+    return form is not None and form[0].get(var, 0) != 0
 
 
 def _perfect_chain(top: For) -> list[For]:
@@ -504,13 +563,30 @@ def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
         for x in walk_exprs(e)
         if isinstance(x, Load) and x.buffer == producer and s is not store
     ]
-    if len(writers) != 1 or readers:
+    if not writers or readers or any(_reads(w.value, producer) for w in writers):
         raise ScheduleError(
-            f"{r}: {producer.name!r} must be stored once and read only by {r.stage!r} "
-            "(cache its write first if it is a reduction)"
+            f"{r}: {producer.name!r} must be stored, not read back, and read only by "
+            f"{r.stage!r} (cache its write first if it is a reduction)"
         )
-    (final,) = writers
     nest = _stage_nest(func, consumer, r)
+    body = func.body
+    # Each store of the producer (one per nest that computes it: a GEMM's whole tiles and its
+    # tail tile) carries the epilogue.
+    for final in writers:
+        body = replace_stmt(
+            body, final, _folded_store(store, index_vars, final, consumer, producer)
+        )
+    body = replace_stmt(body, nest, Block(()))
+    return _with_body(func, _remove_allocation(body, producer))
+
+
+def _reads(e: Expr, buffer: Buffer) -> bool:
+    return any(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(e))
+
+
+def _folded_store(store: Store, index_vars, final: Store, consumer: Buffer, producer: Buffer):
+    """The consumer's `store` at the producer's store `final`, reading the value stored there,
+    guarded to the consumer's part of the producer."""
     mapping = dict(zip(index_vars, final.indices, strict=True))
 
     def value_at_store(e: Expr):
@@ -526,9 +602,7 @@ def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
     ):
         if c != p:
             folded = IfThenElse(Binary("lt", index, Const(c, INDEX)), folded)
-    body = replace_stmt(func.body, final, folded)
-    body = replace_stmt(body, nest, Block(()))
-    return _with_body(func, _remove_allocation(body, producer))
+    return folded
 
 
 def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
@@ -704,7 +778,12 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     inside = _inner_ranges(target)
     starts, extents = _region(target, buffer, inside)
     order = _tile_dim_order(target, buffer)
-    local = Buffer(f"{buffer.name}_local", tuple(extents[d] for d in order), buffer.dtype, "local")
+    name = f"{buffer.name}{r.suffix}"
+    if any(
+        isinstance(s, Allocate) and s.buffer.name == f"{name}_local" for s in walk_stmts(func.body)
+    ):
+        raise ScheduleError(f"{r}: {name}_local exists; give this nest's cache its own suffix")
+    local = Buffer(f"{name}_local", tuple(extents[d] for d in order), buffer.dtype, "local")
     stripped, init_value = _without_reduction_init(target, buffer, set(inside), r)
     # Loops over a small tile are unrolled, so that its indices are constants and LLVM keeps
     # the whole tile in registers.
@@ -725,12 +804,12 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
 
     computed = map_stmt(stripped, redirect_expr, redirect_stmt)
     if init_value is not None:  # the first reduction step's store, done once up front
-        fill_vars = [Var(f"{buffer.name}_init{d}") for d in range(len(extents))]
+        fill_vars = [Var(f"{name}_init{d}") for d in range(len(extents))]
         fill: Stmt = Store(local, tuple(fill_vars), init_value)
         for var, extent in reversed(list(zip(fill_vars, local.shape, strict=True))):
             fill = For(var, extent, fill, tile_kind)
         computed = seq(fill, computed)
-    copy_vars = [Var(f"{buffer.name}_wb{k}") for k in range(len(extents))]
+    copy_vars = [Var(f"{name}_wb{k}") for k in range(len(extents))]
     index = tuple(Binary("add", starts[d], copy_vars[order.index(d)]) for d in range(len(starts)))
     copy: Stmt = Store(buffer, index, Load(local, tuple(copy_vars)))
     ranges = _enclosing_ranges(func, target)

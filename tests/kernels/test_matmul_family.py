@@ -18,6 +18,7 @@ from compiler_core.frontend.onnx import import_model
 from compiler_core.kernels.schedules import gemm_row_tile
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
+from compiler_core.schedule.primitives import SplitOverlap
 from compiler_core.target import parse_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
 
@@ -130,10 +131,12 @@ def test_attention_scores_with_a_transposed_key(perm):
     check(model, {"q": w(*shape), "k": w(*shape)})
 
 
-def test_every_knob_value_of_the_dense_template_on_a_ragged_batch():
+@pytest.mark.parametrize("n", [37, 77], ids=["one_panel", "tail_tiles"])
+def test_every_knob_value_of_the_dense_template_on_a_ragged_batch(n):
     """The default config and every other value of each knob, one at a time (the whole space
-    is the tuner tests' business), against the reference answer."""
-    model, _ = matmul_model([2, 13, 5], [2, 5, 37])
+    is the tuner tests' business), against the reference answer. 77 columns leave a tail
+    tile after whole tiles of every width (13 after 64, 5 after 72, 1 after 76)."""
+    model, _ = matmul_model([2, 13, 5], [2, 5, n])
     (task,) = extract_tasks(optimize(import_model(model)))
     knobs = task.tunable.knobs
     assert {k.name for k in knobs} >= {"mr", "nr", "order", "parallel", "pack"}
@@ -261,3 +264,20 @@ def test_row_tiles_of_a_with_rows_4kb_apart_fit_one_l1_set():
     )
     (task,) = extract_tasks(optimize(import_model(model)))
     assert task.default_config()["mr"] == 4
+
+
+def test_ragged_columns_are_whole_tiles_and_a_narrow_tail_not_padding():
+    """ViT's Q.K^T, 197 columns of an activation B: the GEMM reads B where it lies (no
+    packing pass, no padded columns) in six tiles of 32 and one of 8 that ends at column 196
+    (it overlaps the sixth by 3 columns); a constant B's panels are padded to 200 columns
+    instead, and its tail tile starts at 192."""
+    model, _ = matmul_model([12, 29, 64], [12, 64, 197])
+    (task,) = extract_tasks(optimize(import_model(model)))
+    anchor, config = task.tunable.anchor, task.tunable.default_config()
+    assert anchor.shape[-1] == 197 and config["pack"] == 0 and config["nr"] == 32
+    assert SplitOverlap(anchor.loop(2), 32, 8) in task.tunable.records(config)
+    model, _ = matmul_model([29, 64], [64, 197], b_constant=True)
+    (task,) = extract_tasks(optimize(import_model(model)))
+    anchor, config = task.tunable.anchor, task.tunable.default_config()
+    assert anchor.shape[-1] == 200
+    assert SplitOverlap(anchor.loop(1), 32, 8) in task.tunable.records(config)

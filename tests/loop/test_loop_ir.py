@@ -133,3 +133,37 @@ def test_floordiv_and_mod_resolve_when_ranges_allow():
     # i may reach 32 here: nothing can be concluded.
     wide = Binary("floordiv", o * 32 + i, Const(32, INDEX))
     assert simplify_expr(wide, {"o": 8, "i": 33}) != o
+
+
+def test_loop_ranges_decide_clamps_and_comparisons():
+    from compiler_core.loop.ir import Binary
+
+    o, i = Var("o"), Var("i")
+    column = o * 32 + i  # whole tiles: o < 6, so column <= 191
+    ranges = {"o": 6, "i": 32}
+    clamped = Binary("min", column, Const(196, INDEX))
+    assert simplify_expr(clamped, ranges) == simplify_expr(column)
+    assert simplify_expr(Binary("lt", column, Const(197, INDEX)), ranges) == Const(True, "bool")
+    assert simplify_expr(Binary("ge", column, Const(192, INDEX)), ranges) == Const(False, "bool")
+    assert simplify_expr(Binary("eq", column, Const(-1, INDEX)), ranges) == Const(False, "bool")
+    # The last column is reached for some values and not others: undecided.
+    edge = Binary("lt", column, Const(100, INDEX))
+    assert simplify_expr(edge, ranges).op == "lt"
+    assert simplify_expr(Binary("eq", i, Const(0, INDEX)), ranges) == Binary(
+        "eq", i, Const(0, INDEX)
+    )
+
+
+def test_a_split_index_joined_again_simplifies_to_itself():
+    """(x // 32) * 32 + x % 32 == x: a packing stage's panel and lane, inlined into the tail
+    tile of the GEMM that reads it, whose range does not resolve them."""
+    from compiler_core.loop.ir import Binary
+
+    t = Var("t")
+    x = t + Const(61, INDEX)
+    thirty_two = Const(32, INDEX)
+    joined = Binary("floordiv", x, thirty_two) * thirty_two + Binary("mod", x, thirty_two)
+    assert simplify_expr(joined) == simplify_expr(x)
+    assert simplify_expr(joined, {"t": 16}) == simplify_expr(x)
+    unequal = Binary("floordiv", x, thirty_two) * Const(16, INDEX) + Binary("mod", x, thirty_two)
+    assert simplify_expr(unequal) != simplify_expr(x)

@@ -23,6 +23,7 @@ from compiler_core.schedule.primitives import (
     ReverseComputeInline,
     ScheduleError,
     Split,
+    SplitOverlap,
     Unroll,
     Vectorize,
     apply,
@@ -152,6 +153,48 @@ def test_cache_write_accumulates_in_a_local_buffer():
 def test_illegal_records_are_refused(record, message):
     with pytest.raises(ScheduleError, match=message):
         apply(BASE, [record])
+
+
+# A GEMM's columns (8) as whole tiles of 3 and a tail tile of 3 that overlaps the last whole
+# one: each nest caches its own accumulators, and the epilogue folds into both stores.
+TAIL_TILE = [
+    Reorder(("c_i1", "c_i0", "c_kk")),
+    SplitOverlap("c_i1", 3, tail=3),
+    Reorder(("c_i1_o", "c_i0", "c_kk", "c_i1_i")),
+    CacheWrite("c", "c_kk"),
+    Reorder(("c_i0_t", "c_kk_t", "c_i1_t")),
+    CacheWrite("c", "c_kk_t", suffix="_t"),
+    Vectorize("c_i1_t"),
+    ComputeInline("e"),
+    ReverseComputeInline("d"),
+]
+
+
+def test_a_tail_tile_is_a_nest_of_its_own_with_renamed_loops():
+    func = assert_schedule_keeps_meaning(TAIL_TILE)
+    loops = {s.var.name: s.extent for s in walk_stmts(func.body) if isinstance(s, For)}
+    assert loops["c_i1_o"] == 2 and loops["c_i1_i"] == 3
+    assert loops["c_i1_t"] == 3 and loops["c_i0_t"] == M and loops["c_kk_t"] == K
+    from compiler_core.loop.ir import Allocate, Store
+
+    caches = {s.buffer.name for s in walk_stmts(func.body) if isinstance(s, Allocate)}
+    assert caches == {"c_local", "c_t_local"}
+    assert sum(isinstance(s, Store) and s.buffer.name == "d" for s in walk_stmts(func.body)) == 2
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        # The reduction's elements do not belong to one iteration of its own loop.
+        ([SplitOverlap("c_kk", 2)], "overlap would repeat it"),
+        ([SplitOverlap("c_i1", 3, tail=1)], "must cover the 2 left"),
+        (TAIL_TILE[:5] + [CacheWrite("c", "c_kk_t")], "its own suffix"),
+    ],
+    ids=["reduction_axis", "short_tail", "same_cache"],
+)
+def test_tail_tiles_refuse_what_would_change_the_result(schedule, message):
+    with pytest.raises(ScheduleError, match=message):
+        apply(BASE, schedule)
 
 
 def test_nested_parallel_is_refused():
