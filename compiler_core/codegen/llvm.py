@@ -145,6 +145,9 @@ def _suffix(ty: ir.Type) -> str:
 
 # Element types a masked vector load or store can move (llvm.masked.* on float vectors).
 MASKABLE = ("float16", "float32", "float64")
+# Lane strides loaded as one masked load of their span and a shuffle (wider strides waste
+# more of the span than the scalar loads they replace cost).
+STRIDED_LOAD_STRIDES = (2, 3, 4)
 
 
 def _lane_stride(e: Expr, var: str) -> int | None:
@@ -372,8 +375,10 @@ class FunctionEmitter:
             stride *= size
         return flat
 
-    def _access(self, b, scope: _Scope, buffer: Buffer, indices):
-        """(kind, pointer or per-lane pointers): 'scalar', 'contiguous' or 'lanes'."""
+    def _access(self, b, scope: _Scope, buffer: Buffer, indices, strided: bool = False):
+        """(kind, pointer or per-lane pointers): 'scalar', 'contiguous' or 'lanes', or with
+        `strided` (a load outside a masked context) 'stride2'..'stride4' (see
+        `_strided_load`)."""
         flat = self._flat_index(buffer, indices)
         base = scope.buffers.get(buffer)
         if base is None:
@@ -384,11 +389,13 @@ class FunctionEmitter:
             # would otherwise come back splat across the lanes and make the address a vector.
             scalar = dataclasses.replace(scope, lanes=1, vector_var=None, mask=None)
             return "scalar", b.gep(base, [self._expr(b, scalar, flat)], source_etype=element)
-        if _lane_stride(flat, scope.vector_var) == 1:
+        stride = _lane_stride(flat, scope.vector_var)
+        if stride == 1 or (strided and stride in STRIDED_LOAD_STRIDES and buffer.dtype in MASKABLE):
             lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
             lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)
             start = self._expr(b, lane0, flat)
-            return "contiguous", b.gep(base, [start], source_etype=element)
+            kind = "contiguous" if stride == 1 else f"stride{stride}"
+            return kind, b.gep(base, [start], source_etype=element)
         pointers = []
         for lane in range(scope.lanes):
             one = dataclasses.replace(
@@ -401,7 +408,7 @@ class FunctionEmitter:
         return "lanes", pointers
 
     def _load(self, b, scope: _Scope, e: Load) -> ir.Value:
-        kind, where = self._access(b, scope, e.buffer, e.indices)
+        kind, where = self._access(b, scope, e.buffer, e.indices, strided=scope.mask is None)
         element = memory_type(e.buffer.dtype)
         if kind == "scalar":
             value = self._from_memory(b, b.load(where, typ=element), e.dtype)
@@ -420,10 +427,33 @@ class FunctionEmitter:
         if kind == "contiguous":
             loaded = b.load(where, typ=vector_type, align=_align(e.buffer.dtype))
             return self._from_memory(b, loaded, e.dtype)
+        if kind.startswith("stride"):
+            return self._from_memory(b, self._strided_load(b, scope, e, where, kind), e.dtype)
         result = ir.Constant(vector_type, ir.Undefined)
         for lane, pointer in enumerate(where):
             result = b.insert_element(result, b.load(pointer, typ=element), I32(lane))
         return self._from_memory(b, result, e.dtype)
+
+    def _strided_load(self, b, scope: _Scope, e: Load, where, kind: str) -> ir.Value:
+        """Lanes `stride` elements apart (a stride-2 conv's or pool's window, an im2col
+        column): one masked load of the span they cover and a shuffle that keeps every
+        stride-th element, instead of a scalar load and an insert per lane. The mask stops at
+        the last lane's element, so nothing past it is read."""
+        stride, lanes = int(kind.removeprefix("stride")), scope.lanes
+        element = memory_type(e.buffer.dtype)
+        wide = ir.VectorType(element, stride * lanes)
+        last = stride * (lanes - 1)
+        mask = ir.Constant(
+            ir.VectorType(ir.IntType(1), stride * lanes), [k <= last for k in range(stride * lanes)]
+        )
+        masked_load = self._declare(
+            f"llvm.masked.load.{_suffix(wide)}.p0", wide, [PTR, I32, mask.type, wide]
+        )
+        loaded = b.call(
+            masked_load, [where, I32(_align(e.buffer.dtype)), mask, ir.Constant(wide, None)]
+        )
+        picks = ir.Constant(ir.VectorType(I32, lanes), [k * stride for k in range(lanes)])
+        return b.shuffle_vector(loaded, ir.Constant(wide, ir.Undefined), picks)
 
     def _store(self, b, scope: _Scope, s: Store) -> None:
         value = self._expr(b, scope, s.value)

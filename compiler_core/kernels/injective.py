@@ -39,7 +39,8 @@ def _strides(shape: Sequence[int]) -> list[int]:
     return list(reversed(strides))
 
 
-def _unflatten(flat: Expr, shape: Sequence[int]) -> tuple[Expr, ...]:
+def unflatten(flat: Expr, shape: Sequence[int]) -> tuple[Expr, ...]:
+    """The row-major index over `shape` of the flat position `flat`."""
     index = []
     for dim, stride in zip(shape, _strides(shape), strict=True):
         q = Binary("floordiv", flat, Const(stride, INDEX)) if stride != 1 else flat
@@ -76,9 +77,9 @@ def reshape_index(index: Sequence[Expr], out_shape, in_shape) -> tuple[Expr, ...
     if len(in_mid) == 1:  # the flat index is in bounds: no modulo
         mapped: tuple[Expr, ...] = (_flatten(middle, out_mid),)
     elif len(out_mid) == 1:
-        mapped = _unflatten(middle[0], in_mid)
+        mapped = unflatten(middle[0], in_mid)
     else:
-        mapped = _unflatten(_flatten(middle, out_mid), in_mid)
+        mapped = unflatten(_flatten(middle, out_mid), in_mid)
     return (*index[:lead], *mapped, *index[len(index) - tail :])
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
-from compiler_core.kernels.injective import clamp
+from compiler_core.kernels.injective import clamp, unflatten
 from compiler_core.kernels.schedules import GEMM_COLUMN_STEP, gemm_row_tile, nchwc_row_width
 from compiler_core.kernels.winograd import (
     conv_algorithms,
@@ -137,74 +137,90 @@ def _conv(ctx: KernelContext, node: Node):
     return [compute(out.shape, lambda n, o, *s: conv[(n, o, *s)] + bias[o], ctx.stage_name(node))]
 
 
-# The longest reduction (input channels x taps) a plain 1-D conv runs as a GEMM over im2col
-# columns: the columns are a [C*K, L] copy of the input, cheap while C*K is a few vectors.
+# The longest reduction (input channels x taps) a plain conv runs as a GEMM over im2col
+# columns: the columns are a [C*K, W] copy of the input per output row, cheap while C*K is a
+# few vectors.
 IM2COL_MAX_REDUCTION = 32
 
 
 def im2col_conv(x_shape, w_shape, group: int, dtype: str) -> bool:
     """Whether a plain-layout conv runs as its filters [M, C*K] times the im2col columns of its
-    input [C*K, L] (`_conv_im2col`): an ungrouped float32 1-D conv whose reduction is short
-    (a raw-audio stem: 1 channel x 10 taps) and no longer than its output channels, so that
-    the columns are no larger than the output. The layout pass keeps such a conv's output
-    plain when no consumer would read it blocked."""
-    if len(x_shape) != 3 or group != 1 or dtype != "float32":
+    input (`_conv_im2col`): an ungrouped float32 1-D, 2-D or 3-D conv whose reduction is short
+    (a raw-audio stem: 1 channel x 10 taps; an RGB stem: 3 x 3x3) and no longer than its
+    output channels, so that the columns are no larger than the output. The layout pass keeps
+    such a conv's output plain when no reader would take it blocked."""
+    if len(x_shape) - 2 not in (1, 2, 3) or group != 1 or dtype != "float32":
         return False
-    out_channels, channels, taps = w_shape
-    return channels * taps <= min(IM2COL_MAX_REDUCTION, out_channels)
+    out_channels, channels, *kernel = w_shape
+    return channels * math.prod(kernel) <= min(IM2COL_MAX_REDUCTION, out_channels)
 
 
 def _conv_im2col(ctx: KernelContext, node: Node):
-    """A 1-D conv as a GEMM: rows are output channels (the filters, [M, C*K], broadcast from
-    build-time rows), columns the output positions, read from panels of the input's im2col
-    columns that a stage of the kernel builds. Vectorized along positions, the tile stores the
-    plain output with unit stride; a conv vectorized over channels would scatter each vector
-    over M rows or write a blocked output for a transform to unblock (a 1->256 channel,
-    16000-sample stem: 0.08 ms of conv, then 0.16 ms of unblocking its 3.3 MB output)."""
+    """A conv as GEMMs, one per output row: rows are output channels (the filters, [M, C*K],
+    broadcast from build-time rows), columns the row's positions, read from panels of the
+    input's im2col columns [C*K, W] that a stage of the kernel builds (computed per output
+    row by the dense template: a few KB in L1). Vectorized along positions, the tile stores
+    the plain output with unit stride; a conv vectorized over channels would scatter each
+    vector over M rows or write a blocked output for a transform to unblock (a 1->256
+    channel, 16000-sample stem: 0.08 ms of conv, then 0.16 ms of unblocking its 3.3 MB
+    output). The product is [N, *rows, M, W]: the output stage reads it transposed."""
     x = ctx.tensor(node.inputs[0])
     out = ctx.type(node.outputs[0])
-    pads, (stride,), (dilation,) = spatial_params(node, 1)
+    nsp = len(out.shape) - 2
+    pads, strides, dilations = spatial_params(node, nsp)
     weights = ctx.constant(node.inputs[1])
-    m, channels, taps = weights.shape
-    reduction = channels * taps
+    m, channels, *kernel = weights.shape
+    reduction = channels * math.prod(kernel)
     padded = _padded(ctx, node, x, pads, 0.0)
-    batch, length = out.shape[0], out.shape[2]
+    batch, *spatial = out.shape[0], *out.shape[2:]
+    rows, length = tuple(spatial[:-1]), spatial[-1]
     width = panel_width(length, ctx.target.vector_lanes)
     blocks = -(-length // width)
 
-    def column(n, block, kk, lane):
+    def column(n, *index):
+        outer, (block, kk, lane) = index[:-3], index[-3:]
         j = Binary("add", Binary("mul", block, Const(width, INDEX)), lane)
         if blocks * width != length:  # the last panel's extra columns repeat the last one
             j = Binary("min", j, Const(length - 1, INDEX))
-        channel = Binary("floordiv", kk, Const(taps, INDEX))
-        tap = Binary("mod", kk, Const(taps, INDEX))
-        return padded[(n, channel, j * Const(stride, INDEX) + tap * Const(dilation, INDEX))]
+        channel, *taps = unflatten(kk, (channels, *kernel))
+        positions = [
+            o * Const(s, INDEX) + k * Const(d, INDEX)
+            for o, k, s, d in zip((*outer, j), taps, strides, dilations, strict=True)
+        ]
+        return padded[(n, channel, *positions)]
 
     panels = compute(
-        (batch, blocks, reduction, width), column, ctx.stage_name(node, "columns"), x.dtype
+        (batch, *rows, blocks, reduction, width), column, ctx.stage_name(node, "columns"), x.dtype
     )
     ctx.note(panels.name, materialize=True)
-    filters = ctx.packed(node.inputs[1], "rows", weights.reshape(m, reduction))
     kk = reduce_axis(reduction, "rk")
-    out_shape = (batch, m, length)
+    gemm_shape = (batch, *rows, m, length)
     row_bytes = reduction * weights.itemsize
-    shape = _tiled_shape(ctx, out_shape, width, row_bytes)
+    shape = _tiled_shape(ctx, gemm_shape, width, row_bytes)
+    # Zero filters up to whole row tiles: the padded rows read no clamped index.
+    rows_of_filters = np.zeros((shape[-2], reduction), weights.dtype)
+    rows_of_filters[:m] = weights.reshape(m, reduction)
+    filters = ctx.packed(node.inputs[1], f"rows{shape[-2]}", rows_of_filters)
 
-    def body(n, i, j):
-        row = _row(i, m, shape[1])
-        return reduce_sum(filters[(row, kk)] * _panel_read(panels, width, kk, j, (n,)), kk)
+    def body(n, *index):
+        outer, i, j = index[:-2], index[-2], index[-1]
+        return reduce_sum(filters[(i, kk)] * _panel_read(panels, width, kk, j, (n, *outer)), kk)
 
     pack = Pack(panels.name, default=True)
-    product = _dense_stage(ctx, node, shape, body, out_shape, width, pack, a_row_bytes=row_bytes)
-    ctx.note(product.name, layout="im2col")
-    if len(node.inputs) > 2 and node.inputs[2]:
-        bias = ctx.tensor(node.inputs[2])
-        return [
-            compute(
-                out_shape, lambda n, o, j: product[(n, o, j)] + bias[(o,)], ctx.stage_name(node)
-            )
-        ]
-    return [_cropped(ctx, node, product, out_shape)]
+    product = _dense_stage(ctx, node, shape, body, gemm_shape, width, pack, a_row_bytes=row_bytes)
+    # Each output row's columns are its own: the template computes them in the row's loop.
+    ctx.note(
+        product.name, layout="im2col", pack_per_batch=bool(rows), epilogue_shape=tuple(out.shape)
+    )
+    bias = ctx.tensor(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+
+    def result(n, o, *position):
+        value = product[(n, *position[:-1], o, position[-1])]
+        return value + bias[(o,)] if bias is not None else value
+
+    if bias is None and not rows and shape == tuple(out.shape):
+        return [product]
+    return [compute(out.shape, result, ctx.stage_name(node))]
 
 
 def _plain_conv_block(per_group: int, group: int, lanes: int) -> tuple[int, int]:

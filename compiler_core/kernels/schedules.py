@@ -96,8 +96,9 @@ def _epilogue_of(anchor: StageInfo, kept: list[StageInfo], inlined: set[str], al
         return any(r == anchor.name or (r in inlined and reaches(by_name[r])) for r in stage.reads)
 
     for s in kept:
-        # A padded GEMM's epilogue covers the real rows and columns (it crops the product).
-        shapes = (anchor.shape, anchor.note("real_shape"))
+        # A padded GEMM's epilogue covers the real rows and columns (it crops the product);
+        # an im2col conv's reads its rows of channels as the output's channel axis.
+        shapes = (anchor.shape, anchor.note("real_shape"), anchor.note("epilogue_shape"))
         if s.output and s.pure and s is not anchor and s.shape in shapes and reaches(s):
             return s
     return None
@@ -514,15 +515,18 @@ def matmul_schedule(
             records.append(Fuse(batch_loops[0], loop))
             batch_loops[0] = f"{batch_loops[0]}_{loop}_f"
         i_loop, batch_loops = batch_loops[0], []
+    # Packing per batch (an im2col conv's columns of one output row): computed in the row's
+    # loop, into a buffer that stays in L1.
+    pack_at = bool(batch_loops and config["pack"] and mm.note("pack_per_batch"))
+    if pack_at:
+        records += _pack_at(mm.note("pack"), len(batch_loops), batch_loops[-1])
     mr, nr = int(config["mr"]), int(config["nr"])
     rows, cols = _gemm_rows(mm)[0], mm.shape[-1]
     tail = gemm_column_tail(cols, nr, target.vector_lanes)
     row_tiles = -(-rows // mr)
     if tail:
-        records += [
-            Reorder((*batch_loops, j_loop, i_loop, k_loop)),
-            SplitOverlap(j_loop, nr, tail),
-        ]
+        # The batch loops stay outermost (the stage's own order) above both nests.
+        records += [Reorder((j_loop, i_loop, k_loop)), SplitOverlap(j_loop, nr, tail)]
         nests = [
             _GemmNest(f"{j_loop}_o", cols // nr, f"{j_loop}_i", nr, i_loop, k_loop, ""),
             _GemmNest(None, 1, f"{j_loop}_t", tail, f"{i_loop}_t", f"{k_loop}_t", "_t"),
@@ -537,15 +541,14 @@ def matmul_schedule(
             tiles.append((nest.column_tiles, nest.column_tile_count))
         if config["order"] == "ji":
             tiles = tiles[::-1]
-        outer = batch_loops if not tail else []
-        records += _gemm_tile(mm, nest, mr, outer, [name for name, _ in tiles], target)
+        records += _gemm_tile(mm, nest, mr, [name for name, _ in tiles], target)
         parallel.append(tiles)
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     batch = list(zip(batch_loops, mm.shape[: len(batch_loops)], strict=True))
-    if not tail:
+    if not (tail or pack_at):
         return records + _gemm_parallel([*batch, *parallel[0]], len(batch), config)
-    if batch:  # both nests inside the batch loops: the threads share the batches
+    if batch:  # more than one nest inside the batch loops: the threads share the batches
         return records + _gemm_parallel(batch, len(batch), config)
     for tiles in parallel:  # the two nests side by side: each splits its own tiles
         records += _gemm_parallel(tiles, 0, config)
@@ -566,8 +569,16 @@ class _GemmNest:
     suffix: str
 
 
+def _pack_at(pack: str, batch_rank: int, loop: str) -> list[Record]:
+    """A [*batch, N/P, K, P] packing stage computed inside the GEMM's innermost batch loop: its
+    K loop unrolled (an im2col column's channel and taps become constants) and its panel's
+    lanes vectorized."""
+    k, lane = batch_rank + 1, batch_rank + 2
+    return [ComputeAt(pack, loop), Unroll(f"{pack}_i{k}_at"), Vectorize(f"{pack}_i{lane}_at")]
+
+
 def _gemm_tile(
-    mm: StageInfo, nest: _GemmNest, mr: int, outer: list[str], tiles: list[str], target: Target
+    mm: StageInfo, nest: _GemmNest, mr: int, tiles: list[str], target: Target
 ) -> list[Record]:
     """One nest's register tile: mr rows x `nest.width` columns of accumulators over the whole
     reduction, vectorized along the columns, its rows and vectors unrolled."""
@@ -577,7 +588,7 @@ def _gemm_tile(
     if nest.width > lanes and nest.width % lanes == 0:
         records.append(Split(nest.columns, lanes))
         inner_j = [f"{nest.columns}_o", f"{nest.columns}_i"]
-    order = (*outer, *tiles, nest.reduction, f"{nest.rows}_i", *inner_j)
+    order = (*tiles, nest.reduction, f"{nest.rows}_i", *inner_j)
     records += [Reorder(order), CacheWrite(mm.name, nest.reduction, nest.suffix)]
     if nest.width >= 4:
         records += [Vectorize(inner_j[-1]), *_vector_tile_io(mm, nest.suffix)]
@@ -1056,8 +1067,9 @@ def schedule_for(
         anchor_records = tunable.records(config)
         records += anchor_records
         handled.add(tunable.anchor.name)
-        # Stages the template inlined (an activation B's packing, with `pack=0`).
-        handled |= {r.stage for r in anchor_records if isinstance(r, ComputeInline)}
+        # Stages the template inlined (an activation B's packing, with `pack=0`) or computed
+        # inside its loops (an im2col conv's columns, per output row).
+        handled |= {r.stage for r in anchor_records if isinstance(r, ComputeInline | ComputeAt)}
     elif anchor is not None:
         epilogue = _epilogue_of(anchor, kept, inlined, stages)
         layout = anchor.note("layout")

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from compiler_core.errors import UserError
+from compiler_core.runtime.arena import OutputArena
 from compiler_core.runtime.library import KernelLibrary, default_threads, set_num_threads
 
 MEMBERS = ("model.so", "weights.bin", "plan.json")
@@ -198,6 +199,7 @@ class Module:
         self._weights[:] = np.frombuffer(members["weights.bin"], np.uint8)
         # Plans run one at a time on a module: the largest workspace serves them all.
         self._workspace_owner, self._workspace = _aligned_buffer(plan["workspace_bytes"])
+        self._outputs = OutputArena()
         set_num_threads(num_threads or default_threads())
 
     def _checked(self, inputs: Mapping[str, np.ndarray]) -> tuple[_Plan, list[np.ndarray], int]:
@@ -222,7 +224,7 @@ class Module:
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         plan, arrays, batch = self._checked(inputs)
-        outputs = {name: np.empty(shape, dtype) for name, shape, dtype in plan.outputs}
+        outputs = {name: self._outputs.empty(shape, dtype) for name, shape, dtype in plan.outputs}
         input_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         output_ptrs = (ctypes.c_void_p * max(len(outputs), 1))(
             *[a.ctypes.data for a in outputs.values()]

@@ -547,13 +547,17 @@ def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
     reads_of_producer = [
         x for x in walk_exprs(store.value) if isinstance(x, Load) and x.buffer == producer
     ]
-    if any(list(x.indices) != list(store.indices) for x in reads_of_producer):
+    # The consumer reads one element of the producer: the one at its own indices, or at a
+    # permutation of them (an im2col conv's [N, H, M, W] product read as [N, M, H, W]).
+    read = reads_of_producer[0].indices if reads_of_producer else ()
+    names = [i.name for i in read if isinstance(i, Var)]
+    same = all(x.indices == read for x in reads_of_producer) and len(names) == len(read)
+    if not same or sorted(names) != sorted(index_vars):
         raise ScheduleError(f"{r}: {r.stage!r} must read {producer.name!r} at its own indices")
     # A consumer may cover a leading part of the producer (the real rows and columns of a
     # GEMM computed in whole register tiles): the folded store is guarded to that part.
-    if len(producer.shape) != len(consumer.shape) or any(
-        c > p for c, p in zip(consumer.shape, producer.shape, strict=True)
-    ):
+    extent = dict(zip(index_vars, consumer.shape, strict=True))
+    if any(extent[n] > p for n, p in zip(names, producer.shape, strict=True)):
         raise ScheduleError(f"{r}: {r.stage!r} is not {producer.name!r} or a crop of it")
     writers = [s for s in walk_stmts(func.body) if isinstance(s, Store) and s.buffer == producer]
     readers = [
@@ -573,9 +577,7 @@ def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
     # Each store of the producer (one per nest that computes it: a GEMM's whole tiles and its
     # tail tile) carries the epilogue.
     for final in writers:
-        body = replace_stmt(
-            body, final, _folded_store(store, index_vars, final, consumer, producer)
-        )
+        body = replace_stmt(body, final, _folded_store(store, names, final, consumer, extent))
     body = replace_stmt(body, nest, Block(()))
     return _with_body(func, _remove_allocation(body, producer))
 
@@ -584,10 +586,12 @@ def _reads(e: Expr, buffer: Buffer) -> bool:
     return any(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(e))
 
 
-def _folded_store(store: Store, index_vars, final: Store, consumer: Buffer, producer: Buffer):
+def _folded_store(store: Store, read: list[str], final: Store, consumer: Buffer, extent):
     """The consumer's `store` at the producer's store `final`, reading the value stored there,
-    guarded to the consumer's part of the producer."""
-    mapping = dict(zip(index_vars, final.indices, strict=True))
+    guarded to the consumer's part of the producer. `read`: the consumer's index variables in
+    the order it reads the producer; `extent`: each one's range in the consumer."""
+    producer = final.buffer
+    mapping = dict(zip(read, final.indices, strict=True))
 
     def value_at_store(e: Expr):
         if isinstance(e, Load) and e.buffer == producer:
@@ -595,13 +599,12 @@ def _folded_store(store: Store, index_vars, final: Store, consumer: Buffer, prod
         return None
 
     epilogue = map_expr(substitute(store.value, mapping), value_at_store)
-    folded: Stmt = Store(consumer, final.indices, epilogue)
+    indices = tuple(mapping[i.name] for i in store.indices)
+    folded: Stmt = Store(consumer, indices, epilogue)
     # Innermost dimension's guard innermost: a vector loop over it becomes a masked store.
-    for index, c, p in reversed(
-        list(zip(final.indices, consumer.shape, producer.shape, strict=True))
-    ):
-        if c != p:
-            folded = IfThenElse(Binary("lt", index, Const(c, INDEX)), folded)
+    for name, index, p in reversed(list(zip(read, final.indices, producer.shape, strict=True))):
+        if extent[name] != p:
+            folded = IfThenElse(Binary("lt", index, Const(extent[name], INDEX)), folded)
     return folded
 
 

@@ -218,3 +218,17 @@ def test_a_cropped_register_tile_stores_its_partial_lanes_masked(tmp_path):
     module = str(build_module([func], TARGET))
     assert "llvm.masked.store" in module and "llvm.masked.load" in module
     assert_native_matches_interpreter([func], tmp_path)
+
+
+@pytest.mark.parametrize("stride", [2, 3, 4, 5])
+def test_strided_lanes_load_as_one_masked_span_and_a_shuffle(stride, tmp_path):
+    """A vector of lanes `stride` apart (a stride-2 window, an im2col column) is one masked
+    load of their span, never past the last lane's element (the input ends right there), and
+    a shuffle; stride 5 stays a load per lane."""
+    lanes = TARGET.vector_lanes
+    x = te.placeholder((stride * (lanes - 1) + 1,), "float32", "x")
+    y = te.compute((lanes,), lambda i: x[i * Const(stride, "int64")] * 2.0, "y")
+    func = apply(te.lower([x], [y], f"strided{stride}"), [Vectorize("y_i0")])
+    assert_native_matches_interpreter([func], tmp_path)
+    text = str(build_module([func], TARGET))
+    assert ("llvm.masked.load" in text) == (stride <= 4)

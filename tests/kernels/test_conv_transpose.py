@@ -18,7 +18,7 @@ from tests.conftest import FLOAT, assert_close_to_scale, make_model
 
 CASES = {
     # name: (channels, out_channels, spatial, kernel, attrs)
-    "unet_k2s2": (8, 6, [9, 7], [2, 2], {"strides": [2, 2]}),  # 6*4 phase channels: blocked
+    "unet_k2s2": (40, 6, [9, 7], [2, 2], {"strides": [2, 2]}),  # 6*4 phase channels: blocked
     "gan_k4s2p1": (5, 4, [6, 5], [4, 4], {"strides": [2, 2], "pads": [1, 1, 1, 1]}),
     "k3s2_output_padding": (
         3,

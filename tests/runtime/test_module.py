@@ -43,6 +43,26 @@ def test_native_module_matches_onnxruntime(name, tmp_path):
         np.testing.assert_allclose(outputs[out_name], expected, rtol=1e-4, atol=1e-5)
 
 
+def test_outputs_a_caller_keeps_are_never_reused_and_freed_ones_are(mlp_archive):
+    """Outputs come from the module's arena: a freed output's block serves a later run (no
+    fresh pages to fault in), one the caller holds (or a view of it) is never written."""
+    module = load(mlp_archive)
+    rng = np.random.default_rng(2)
+    first, second = (rng.standard_normal((4, 784)).astype(np.float32) for _ in range(2))
+    kept = module.run({"x": first})["probs"]
+    expected = kept.copy()
+    view = module.run({"x": second})["probs"][1:]  # the array goes, its view keeps the block
+    again = module.run({"x": second})["probs"]
+    np.testing.assert_array_equal(kept, expected)
+    np.testing.assert_array_equal(again[1:], view)
+    assert len({kept.ctypes.data, view.base.__array_interface__["data"][0], again.ctypes.data}) == 3
+    address = again.ctypes.data
+    del again
+    reused = module.run({"x": first})["probs"]
+    assert reused.ctypes.data == address and reused.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(reused, expected)
+
+
 def test_manifest_records_members_plan_and_verification(mlp_archive):
     manifest = mlp_archive.manifest
     assert set(manifest["members"]) == {"model.so", "weights.bin", "plan.json"}
