@@ -255,13 +255,14 @@ KERNELS_REDUCE: dict[str, Builder] = {
 def note_row_stages(ctx: KernelContext, out: Tensor, rows: int, stats: list[Tensor]) -> None:
     """Tell the `row_reduction` schedule that `out`'s first `rows` loops walk rows, and which
     stages (in order) it may compute one row at a time inside them: each row_reduce's partial
-    and fold, and pure row stages (`row_pure`: one row of values read twice). `out` may be a
-    row_reduce fold itself."""
-    names, partials, pure = [], [], []
+    and fold (`row_folds`), and pure row stages (`row_pure`: one row of values read twice).
+    `out` may be a row_reduce fold itself."""
+    names, partials, pure, folds = [], [], [], []
     for t in [*stats, out]:
         partial = ctx.notes.get(t.name, {}).get("partial")
         names += [partial] if partial else []
         partials += [partial] if partial else []
+        folds += [t.name] if partial else []
         if t is not out:
             names.append(t.name)
             pure += [] if partial else [t.name]
@@ -270,6 +271,7 @@ def note_row_stages(ctx: KernelContext, out: Tensor, rows: int, stats: list[Tens
         row_stages=tuple(names),
         row_partials=tuple(partials),
         row_pure=tuple(pure),
+        row_folds=tuple(folds),
         rows=rows,
     )
 

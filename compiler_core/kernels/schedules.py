@@ -720,6 +720,9 @@ def row_schedule(
         records += [ComputeAt(name, row_loops[-1]) for name in reversed(stats)]
     for name in out.note("row_partials"):
         records += row_partial_schedule(name, rows, suffix)
+    # A fold's lanes unrolled: straight-line code LLVM reduces as a tree, not a loop of one
+    # lane at a time with its first-lane test.
+    records += [Unroll(f"{name}_rl") for name in out.note("row_folds", ())]
     for name in pure:
         records += _vector_rows(f"{name}_i{len(out.shape) - 1}{suffix}", out.shape[-1], target)
     if not per_row and rows > 0:
