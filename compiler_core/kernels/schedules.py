@@ -876,6 +876,12 @@ def _output_row_tile(width: int, target: Target) -> int:
     return _largest_divisor(width, tuple(range(min(width, most), 1, -1)))
 
 
+def _reduces(stage: StageInfo) -> bool:
+    """Whether a reduction stage has anything to reduce (an empty set lowers to its initial
+    value alone, without a reduction loop to tile)."""
+    return all(extent > 0 for _, extent in stage.reduce_axes)
+
+
 def inner_vector_reduction_schedule(
     stage: StageInfo, epilogue: StageInfo | None, target: Target
 ) -> list[Record]:
@@ -1105,7 +1111,7 @@ def schedule_for(
         elif stage.note("winograd_output"):
             records += winograd_output_schedule(stage, epilogue, target)
             handled |= {stage.name, stage.note("winograd_columns")}
-        elif stage.note("vector_inner") and stage.shape[-1] > 1:
+        elif stage.note("vector_inner") and stage.shape[-1] > 1 and _reduces(stage):
             records += inner_vector_reduction_schedule(stage, epilogue, target)
             handled.add(stage.name)
         else:
