@@ -342,7 +342,8 @@ def _rerunnable(loop: For) -> bool:
     """Whether running some iterations of `loop` again leaves what one run left: every store
     writes elements of its own iteration (an index affine in the loop's variable), and a store
     that reads its buffer reads only the element it writes, which a store that reads nothing of
-    that buffer (a reduction's initial value, under guards of inner loops only) also writes."""
+    that buffer (a reduction's initial value) also writes. The initial value's own guard is
+    trusted to hold once per iteration (a reduction's first step, `rk == 0`)."""
     stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store)]
     written = {s.buffer for s in stores}
     var = loop.var.name
