@@ -1101,7 +1101,9 @@ def schedule_for(
         if stage.note("pool") == "plain":
             records += plain_pool_schedule(stage, epilogue, target)
             handled |= {stage.name, stage.note("padded")}
-        elif stage.note("pool") == "blocked" and stage.shape[-1] == target.vector_lanes:
+        # The layout pass's blocks: a vector register, or 8 lanes (a ymm register) where the
+        # channels allow no more (ShuffleNet's 24-channel stem pool ran 5x slower unscheduled).
+        elif stage.note("pool") == "blocked" and stage.shape[-1] in (target.vector_lanes, 8):
             records += blocked_pool_schedule(stage, epilogue, target)
             handled |= {stage.name, stage.note("padded")}
         elif stage.note("winograd_input"):
