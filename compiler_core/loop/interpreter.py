@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from compiler_core.loop.ir import (
+    COMPARE,
     Allocate,
     Barrier,
     Binary,
@@ -51,12 +52,7 @@ _BINARY: dict[str, Callable] = {
     "xor": lambda a, b: a ^ b,
     "bitand": lambda a, b: a & b,
     "bitor": lambda a, b: a | b,
-    "lt": lambda a, b: a < b,
-    "le": lambda a, b: a <= b,
-    "gt": lambda a, b: a > b,
-    "ge": lambda a, b: a >= b,
-    "eq": lambda a, b: a == b,
-    "ne": lambda a, b: a != b,
+    **COMPARE,
     "and": lambda a, b: bool(a) and bool(b),
     "or": lambda a, b: bool(a) or bool(b),
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -186,7 +187,17 @@ class Const(Expr):
         object.__setattr__(self, "value", np.dtype(self.dtype).type(self.value).item())
 
 
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+# Comparison operators and what each computes (the interpreter evaluates them with these;
+# simplify folds comparisons of constants with them).
+COMPARE = {
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "eq": operator.eq,
+    "ne": operator.ne,
+}
+COMPARISONS = tuple(COMPARE)
 LOGICAL = ("and", "or")
 ARITHMETIC = (
     "add",

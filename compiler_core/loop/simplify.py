@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from compiler_core.loop.ir import (
+    COMPARE,
     INDEX,
     Binary,
     Const,
@@ -53,21 +54,11 @@ def canonical(coeffs: Mapping[str, int], constant: int) -> Expr:
     return result if constant == 0 else Binary("add", result, Const(constant, INDEX))
 
 
-# Comparisons of two index constants fold to a bool constant (a guard or a select on an
-# unrolled loop's index, once the index is known).
-_COMPARE = {
-    "lt": lambda a, b: a < b,
-    "le": lambda a, b: a <= b,
-    "gt": lambda a, b: a > b,
-    "ge": lambda a, b: a >= b,
-    "eq": lambda a, b: a == b,
-    "ne": lambda a, b: a != b,
-}
-
-
 def _simplify_node(e: Expr) -> Expr | None:
-    if isinstance(e, Binary) and e.op in _COMPARE and _is_index_const(e.a) and _is_index_const(e.b):
-        return Const(_COMPARE[e.op](e.a.value, e.b.value), "bool")
+    # Comparisons of two index constants fold to a bool constant (a guard or a select on an
+    # unrolled loop's index, once the index is known).
+    if isinstance(e, Binary) and e.op in COMPARE and _is_index_const(e.a) and _is_index_const(e.b):
+        return Const(COMPARE[e.op](e.a.value, e.b.value), "bool")
     if not isinstance(e, Binary) or e.dtype != INDEX:
         return None
     if e.op in ("add", "sub", "mul"):
@@ -211,7 +202,7 @@ def _decided_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
         if b[1] <= a[0]:
             return e.b if e.op == "min" else e.a
         return None
-    if e.op not in _COMPARE:
+    if e.op not in COMPARE:
         return None
     difference = value_range(Binary("sub", e.a, e.b), ranges)
     if difference is None:
@@ -220,9 +211,9 @@ def _decided_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
     if e.op in ("eq", "ne"):
         if low < 0 < high or (low != high and 0 in (low, high)):
             return None  # the difference may be zero or not
-        return Const(_COMPARE[e.op](low, 0), "bool")
+        return Const(COMPARE[e.op](low, 0), "bool")
     # The other comparisons are monotonic in the difference: its ends decide them.
-    outcomes = {_COMPARE[e.op](low, 0), _COMPARE[e.op](high, 0)}
+    outcomes = {COMPARE[e.op](low, 0), COMPARE[e.op](high, 0)}
     return Const(outcomes.pop(), "bool") if len(outcomes) == 1 else None
 
 
