@@ -511,17 +511,17 @@ def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale:
 
 
 def _tiled_shape(
-    ctx: KernelContext, out_shape, width: int, a_row_bytes: int = 0, exact_columns=False
+    ctx: KernelContext, out_shape, width: int, a_row_bytes: int = 0, pack: Pack | None = None
 ):
     """The GEMM stage's shape: rows padded to a multiple of the default row tile, columns to
     the panel width when they fit one panel, else to the tiles' column step (a partial last
     tile costs no scalar loop; the columns past the last whole tile are a tail tile, see
-    `matmul_schedule`), or not at all with
-    `exact_columns` (B read where it lies: a tail tile that ends at the last column reads
-    nothing past B's rows). `a_row_bytes`: A's row stride, when the tile reads A's rows along
-    K (see gemm_row_tile)."""
+    `matmul_schedule`), or not at all when B is read where it lies by default (`pack` not
+    the default: a tail tile that ends at the last column reads nothing past B's rows).
+    `a_row_bytes`: A's row stride, when the tile reads A's rows along K (see gemm_row_tile)."""
     *batch_shape, rows, cols = out_shape
     mr = gemm_row_tile(rows, ctx.target, _panel_vectors(width, ctx), a_row_bytes)
+    exact_columns = pack is not None and not pack.default
     if cols <= width:  # one panel (of whole vectors): one tile
         cols = width
     elif not exact_columns:
@@ -601,8 +601,7 @@ def _matmul(ctx: KernelContext, node: Node):
     b_batch = b_type.shape[:-2] if pack else ()
     batch_shape, rows = out_shape[:-2], out_shape[-2]
     a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
-    exact = pack is not None and not pack.default
-    shape = _tiled_shape(ctx, out_shape, width, a_row_bytes, exact_columns=exact)
+    shape = _tiled_shape(ctx, out_shape, width, a_row_bytes, pack)
 
     def body(*index):
         batch, i, j = index[:-2], index[-2], index[-1]
@@ -704,8 +703,7 @@ def _gemm(ctx: KernelContext, node: Node):
     rows = out.shape[0]
     a_type = ctx.type(a_value)
     a_row_bytes = 0 if trans_a else a_type.shape[1] * np.dtype(a_type.dtype).itemsize
-    exact = pack is not None and not pack.default
-    shape = _tiled_shape(ctx, out.shape, width, a_row_bytes, exact_columns=exact)
+    shape = _tiled_shape(ctx, out.shape, width, a_row_bytes, pack)
 
     def body(i, j):
         row = _row(i, rows, shape[0])

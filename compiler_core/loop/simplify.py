@@ -297,8 +297,5 @@ def bounds(e: Expr, ranges: Mapping[str, int]) -> tuple[Expr, int] | None:
 
 def max_value(e: Expr, ranges: Mapping[str, int]) -> int | None:
     """The largest value of an affine `e` when every variable runs over 0..extent-1."""
-    form = affine(e)
-    if form is None or any(name not in ranges for name in form[0]):
-        return None
-    coeffs, constant = form
-    return constant + sum(max(0, c * (ranges[name] - 1)) for name, c in coeffs.items())
+    span = value_range(e, ranges)
+    return None if span is None else span[1]
