@@ -27,6 +27,13 @@ import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
 
+from compiler_core.loop.combiner import (
+    ACC,
+    TERM,
+    folds_over_lanes,
+    lane_reduction,
+    reduces_over,
+)
 from compiler_core.loop.ir import (
     INDEX,
     Allocate,
@@ -288,6 +295,12 @@ class FunctionEmitter:
                 and not self._maskable(s, loop.var.name)
             ):
                 return False
+            if (
+                isinstance(s, Store)
+                and reduces_over(s, loop.var.name)
+                and not folds_over_lanes(loop, s)
+            ):
+                return False
         return True
 
     def _maskable(self, s: IfThenElse, var: str) -> bool:
@@ -456,6 +469,9 @@ class FunctionEmitter:
         return b.shuffle_vector(loaded, ir.Constant(wide, ir.Undefined), picks)
 
     def _store(self, b, scope: _Scope, s: Store) -> None:
+        if scope.lanes > 1 and reduces_over(s, scope.vector_var):
+            self._lane_fold(b, scope, s)
+            return
         value = self._expr(b, scope, s.value)
         kind, where = self._access(b, scope, s.buffer, s.indices)
         value = self._to_memory(b, value, s.buffer.dtype)
@@ -480,6 +496,43 @@ class FunctionEmitter:
             for lane, pointer in enumerate(where):
                 lane_value = b.extract_element(value, I32(lane)) if vector else value
                 b.store(lane_value, pointer)
+
+    def _lane_fold(self, b, scope: _Scope, s: Store) -> None:
+        """acc = combine(acc, term(lane)) over a vectorized loop's lanes (`folds_over_lanes`
+        checked the combiner): the term as one vector, halved log2(lanes) times by combining its two
+        halves (a tree, not a chain of one lane at a time), then into the element once."""
+        fold = lane_reduction(s, scope.vector_var)
+        values = self._expr(b, scope, fold.term)
+        if not isinstance(values.type, ir.VectorType):
+            values = self._splat(b, values, scope.lanes)
+        width = scope.lanes
+        while width % 2 == 0:
+            half = width // 2
+            undefined = ir.Constant(values.type, ir.Undefined)
+            low, high = (
+                b.shuffle_vector(
+                    values,
+                    undefined,
+                    ir.Constant(ir.VectorType(I32, half), list(range(k, k + half))),
+                )
+                for k in (0, half)
+            )
+            values = self._combine(b, scope, fold.combine, low, high)
+            width = half
+        scalar = dataclasses.replace(scope, lanes=1, vector_var=None, mask=None)
+        total = b.extract_element(values, I32(0))
+        for lane in range(1, width):  # an odd lane count: the last few one at a time
+            total = self._combine(
+                b, scalar, fold.combine, total, b.extract_element(values, I32(lane))
+            )
+        acc = self._expr(b, scalar, Load(s.buffer, s.indices))
+        value = self._combine(b, scalar, fold.combine, acc, total)
+        _, where = self._access(b, scalar, s.buffer, s.indices)
+        b.store(self._to_memory(b, value, s.buffer.dtype), where)
+
+    def _combine(self, b, scope: _Scope, combine: Expr, acc, term) -> ir.Value:
+        values = {**scope.values, ACC: acc, TERM: term}
+        return self._expr(b, dataclasses.replace(scope, values=values), combine)
 
     def _from_memory(self, b, value, dtype):
         if dtype == "bool":

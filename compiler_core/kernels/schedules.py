@@ -720,9 +720,10 @@ def row_schedule(
         records += [ComputeAt(name, row_loops[-1]) for name in reversed(stats)]
     for name in out.note("row_partials"):
         records += row_partial_schedule(name, rows, suffix)
-    # A fold's lanes unrolled: straight-line code LLVM reduces as a tree, not a loop of one
-    # lane at a time with its first-lane test.
-    records += [Unroll(f"{name}_rl") for name in out.note("row_folds", ())]
+    # A fold's lanes one vector, its initial value stored before them: the renderer folds
+    # the lanes as a tree (log2(lanes) steps), not a chain of one lane at a time.
+    for name in out.note("row_folds", ()):
+        records += [CacheWrite(name, f"{name}_rl"), Vectorize(f"{name}_rl")]
     for name in pure:
         records += _vector_rows(f"{name}_i{len(out.shape) - 1}{suffix}", out.shape[-1], target)
     if not per_row and rows > 0:

@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+from compiler_core.loop.combiner import folds_over_lanes
 from compiler_core.loop.ir import (
     BINDINGS,
     BLOCK_TAGS,
@@ -246,14 +247,16 @@ def _with_body(func: PrimFunc, body: Stmt) -> PrimFunc:
     return PrimFunc(func.name, func.params, simplify_stmt(body))
 
 
-def _stores_depend_on(loop: For) -> bool:
+def _stores_depend_on(loop: For, lane_folds: bool = False) -> bool:
     """Every store inside `loop` writes an element that depends on the loop variable, so
-    iterations write disjoint elements (what parallel and vector execution need)."""
+    iterations write disjoint elements (what parallel and vector execution need). With
+    `lane_folds` (vector execution), a store may also be a reduction over the loop that
+    folds its lanes in any order (`loop.combiner.folds_over_lanes`)."""
     private = {s.buffer for s in walk_stmts(loop.body) if isinstance(s, Allocate)}
     stores = [s for s in walk_stmts(loop.body) if isinstance(s, Store) and s.buffer not in private]
     for store in stores:
         names = {x.name for i in store.indices for x in walk_exprs(i) if isinstance(x, Var)}
-        if loop.var.name not in names:
+        if loop.var.name not in names and not (lane_folds and folds_over_lanes(loop, store)):
             return False
     return bool(stores)
 
@@ -442,8 +445,11 @@ def vectorize(func: PrimFunc, r: Vectorize) -> PrimFunc:
         raise ScheduleError(f"{r}: only an innermost loop can be vectorized")
     if loop.extent > MAX_VECTOR_LANES:
         raise ScheduleError(f"{r}: {loop.extent} lanes exceed {MAX_VECTOR_LANES}; split first")
-    if not _stores_depend_on(loop):
-        raise ScheduleError(f"{r}: iterations write the same element (a reduction loop)")
+    if not _stores_depend_on(loop, lane_folds=True):
+        raise ScheduleError(
+            f"{r}: iterations write the same element (a reduction loop whose combiner is not "
+            "associative, or whose running value is read)"
+        )
     return _annotate(func, r.loop, ForKind.VECTORIZED, r)
 
 

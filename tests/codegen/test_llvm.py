@@ -12,7 +12,20 @@ from compiler_core.codegen import native
 from compiler_core.codegen.llvm import build_module
 from compiler_core.codegen.native import emit_assembly, emit_object, link_shared
 from compiler_core.loop import interpreter
-from compiler_core.loop.ir import Binary, Cast, Const, PrimFunc, Select, Unary, maximum
+from compiler_core.loop.ir import (
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    For,
+    Load,
+    PrimFunc,
+    Select,
+    Store,
+    Unary,
+    Var,
+    maximum,
+)
 from compiler_core.runtime.library import KernelLibrary, set_num_threads
 from compiler_core.schedule.primitives import (
     CacheWrite,
@@ -22,6 +35,7 @@ from compiler_core.schedule.primitives import (
     Parallel,
     Reorder,
     ReverseComputeInline,
+    ScheduleError,
     Split,
     Unroll,
     Vectorize,
@@ -232,3 +246,44 @@ def test_strided_lanes_load_as_one_masked_span_and_a_shuffle(stride, tmp_path):
     assert_native_matches_interpreter([func], tmp_path)
     text = str(build_module([func], TARGET))
     assert ("llvm.masked.load" in text) == (stride <= 4)
+
+
+def _row_fold(name: str, lanes: int, dtype: str, combine):
+    """y[i] = the fold of x[i, :lanes] by `combine`, its lanes one vectorized loop (the
+    initial value stored before it by CacheWrite)."""
+    x = te.placeholder((3, lanes), dtype, "x")
+    k = te.reduce_axis(lanes, "k")
+    y = te.compute((3,), lambda i: combine(x[i, k], k), "y")
+    return apply(te.lower([x], [y], name), [CacheWrite("y", "y_k"), Vectorize("y_k")])
+
+
+@pytest.mark.parametrize("lanes", [16, 12, 7])
+def test_a_vectorized_reduction_folds_its_lanes_as_a_tree(lanes, tmp_path):
+    """A store to one element for every lane, combining it with a term of the lane (a row
+    fold), means the serial loop; sums, products, maxima written as a compare-and-select
+    and integer sums fold their lanes pairwise (the halves of the vector, then the odd lanes
+    left over one at a time), and native code matches the interpreter."""
+    funcs = [
+        _row_fold(f"sum{lanes}", lanes, "float32", lambda v, k: te.reduce_sum(v * 0.5, k)),
+        _row_fold(f"max{lanes}", lanes, "float32", te.reduce_max),
+        _row_fold(f"min{lanes}", lanes, "float32", te.reduce_min),
+        _row_fold(f"isum{lanes}", lanes, "int32", te.reduce_sum),
+        _row_fold(f"prod{lanes}", lanes, "float64", lambda v, k: te.reduce_prod(v * 0.5 + 1.0, k)),
+    ]
+    assert_native_matches_interpreter(funcs, tmp_path)
+    text = str(build_module(funcs[:1], TARGET))
+    if lanes % 2 == 0:  # halved at least once: a shuffle of the term's vector
+        assert "shufflevector" in text
+
+
+def test_a_lane_fold_whose_combiner_does_not_reassociate_is_refused(tmp_path):
+    """y = y * 0.5 + x[k]: folding the lanes in another order changes the result, so the
+    loop cannot be vectorized; the same fold as a sum can, and adds to what y held."""
+    x, y = Buffer("x", (8,), "float32"), Buffer("y", (1,), "float32")
+    k, zero = Var("k"), (Const(0, "int64"),)
+    decay = Store(y, zero, Load(y, zero) * 0.5 + Load(x, (k,)))
+    with pytest.raises(ScheduleError, match="reduction loop"):
+        apply(PrimFunc("decay", (x, y), For(k, 8, decay)), [Vectorize("k")])
+    total = Store(y, zero, Load(y, zero) + Load(x, (k,)))
+    func = apply(PrimFunc("total", (x, y), For(k, 8, total)), [Vectorize("k")])
+    assert_native_matches_interpreter([func], tmp_path)
