@@ -63,6 +63,21 @@ def test_outputs_a_caller_keeps_are_never_reused_and_freed_ones_are(mlp_archive)
     np.testing.assert_array_equal(reused, expected)
 
 
+def test_inputs_in_any_array_form_give_the_same_outputs(mlp_archive):
+    """A contiguous writable array is passed where it lies; a read-only one, a strided view
+    and a Fortran-ordered copy are taken too (copied where they must be), with the same
+    result."""
+    module = load(mlp_archive)
+    x = np.random.default_rng(3).standard_normal((4, 784)).astype(np.float32)
+    expected = module.run({"x": x})["probs"].copy()
+    frozen = x.copy()
+    frozen.setflags(write=False)
+    strided = np.repeat(x, 2, axis=1)[:, ::2]
+    assert not strided.flags.c_contiguous
+    for form in (frozen, strided, np.asfortranarray(x)):
+        np.testing.assert_array_equal(module.run({"x": form})["probs"], expected)
+
+
 def test_manifest_records_members_plan_and_verification(mlp_archive):
     manifest = mlp_archive.manifest
     assert set(manifest["members"]) == {"model.so", "weights.bin", "plan.json"}
