@@ -331,9 +331,11 @@ def test_plain_conv_blocks(channels, group, lanes, expected):
     assert _plain_conv_block(channels, group, lanes) == expected
 
 
-def test_layout_transform_between_padded_blocks():
-    """37 channels in 8-blocks (3 padding lanes) -> 16-blocks (11) -> plain, natively."""
-    blocked8 = to_blocked(rand(1, 37, 3, 4), 8)
+@pytest.mark.parametrize("width", [4, 16, 20, 56])
+def test_layout_transform_between_padded_blocks(width):
+    """37 channels in 8-blocks (3 padding lanes) -> 16-blocks (11) -> plain, natively; rows
+    shorter than a vector, whole vectors, and whole vectors with a ragged tail."""
+    blocked8 = to_blocked(rand(1, 37, 3, width), 8)
     transform = {"dst_layout": "NCHW16c", "channels": 37}
     nodes = (
         Node("LayoutTransform", "t16", ("x",), ("a",), {"src_layout": "NCHW8c", **transform}),
@@ -347,8 +349,8 @@ def test_layout_transform_between_padded_blocks():
     )
     types = {
         "x": TensorType(blocked8.shape, "float32"),
-        "a": TensorType((1, 3, 3, 4, 16), "float32"),
-        "y": TensorType((1, 37, 3, 4), "float32"),
+        "a": TensorType((1, 3, 3, width, 16), "float32"),
+        "y": TensorType((1, 37, 3, width), "float32"),
     }
     graph = fuse_operators.run(Graph("padded", ("x",), ("y", "a"), nodes, types, {}))
     out = load(compile_graph(graph, host_target())).run({"x": blocked8})
