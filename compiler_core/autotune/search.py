@@ -122,18 +122,25 @@ class Tuner:
             state = self._next_task()
             if state is None:
                 break
-            configs = self._choose(state, int(min(self.batch, limit - spent)))
-            if not configs:
+            before = state.best_cost
+            measured = self.step(state, int(min(self.batch, limit - spent)))
+            if not measured:
                 state.stale = STALE_ROUNDS
                 continue
-            before = state.best_cost
-            self._measure(state, configs)
-            spent += len(configs)
+            spent += measured
             improved = state.best_cost < before * IMPROVEMENT
             state.stale = 0 if improved or not math.isfinite(before) else state.stale + 1
-            self._retrain()
             if progress is not None:
                 progress(self, state)
+
+    def step(self, state: TaskState, count: int) -> int:
+        """One batch of `state`'s task: choose up to `count` unvisited configs, measure them,
+        retrain the model; how many were measured (0: the space is spent)."""
+        configs = self._choose(state, count)
+        if configs:
+            self._measure(state, configs)
+            self._retrain()
+        return len(configs)
 
     def _next_task(self) -> TaskState | None:
         live = [s for s in self.states if not s.exhausted]
@@ -168,38 +175,22 @@ class Tuner:
     def _features(self, state: TaskState, config: dict) -> np.ndarray:
         key = config_key(config)
         if key not in state.features:
-            func = apply(state.task.lowered_for(config).func, state.task.records(config))
-            state.features[key] = extract(func)
+            state.features[key] = config_features(state.task, config)
         return state.features[key]
 
     def _measure(self, state: TaskState, configs: list[dict]) -> None:
         task = state.task
         results = self.measurer.measure(task, configs)
-        records = [self._record(task, c, r) for c, r in zip(configs, results, strict=True)]
+        records = [
+            measured_record(task, c, r, self.measurer, self.compiler_version)
+            for c, r in zip(configs, results, strict=True)
+        ]
         self.log.extend(records)
         for record in records:
             state.visited.add(record.config_key)
             state.trials += 1
             self.trials += 1
             self._account(state, record.config, record.cost)
-
-    def _record(self, task: Task, config: dict, result: Result) -> TuningRecord:
-        ok = result.error == "ok"
-        return TuningRecord(
-            workload_key=task.key,
-            workload=task.workload,
-            target=self.measurer.target_label,
-            fingerprint=self.fingerprint,
-            template=task.template,
-            template_version=task.template_version,
-            config=dict(config),
-            costs=tuple(result.costs) if ok else (),
-            error=result.error,
-            error_detail=result.detail,
-            flops=task.flops,
-            compiler_version=self.compiler_version,
-            timestamp=time.time(),
-        )
 
     def _retrain(self) -> None:
         rows, throughput, groups = [], [], []
@@ -221,3 +212,31 @@ class Tuner:
         if not all(math.isfinite(c) for c in costs):
             return None
         return sum(s.task.weight * c for s, c in zip(self.states, costs, strict=True))
+
+
+def config_features(task: Task, config: dict) -> np.ndarray:
+    """The cost model's view of one candidate: features of its scheduled loop program."""
+    return extract(apply(task.lowered_for(config).func, task.records(config)))
+
+
+def measured_record(
+    task: Task, config: dict, result: Result, measurer, compiler_version: str = ""
+) -> TuningRecord:
+    """The log's record of one measurement of `task` at `config` by `measurer` (anything with
+    the Measurer's `fingerprint` and `target_label`)."""
+    ok = result.error == "ok"
+    return TuningRecord(
+        workload_key=task.key,
+        workload=task.workload,
+        target=measurer.target_label,
+        fingerprint=measurer.fingerprint,
+        template=task.template,
+        template_version=task.template_version,
+        config=dict(config),
+        costs=tuple(result.costs) if ok else (),
+        error=result.error,
+        error_detail=result.detail,
+        flops=task.flops,
+        compiler_version=compiler_version,
+        timestamp=time.time(),
+    )

@@ -1,0 +1,292 @@
+"""Search efficiency of the tuner, and the ranking quality of its cost model, offline.
+
+    .venv/bin/python -m bench.search --measure     # ground truth, once per machine (~15 min)
+    .venv/bin/python -m bench.search [--seeds 5]   # replay the searches over it (~5 min)
+
+Ground truth: every config of each workload's schedule space measured once by the tuner's
+own Measurer (isolated runner, repeats, medians), kept as one tuning log per workload under
+`--tables` (default build/search; interrupted runs resume). The spaces hold 80-600 points,
+so "1000 random trials" is the whole space here.
+
+Replay: a search's trials are looked up in that table instead of run (`ReplayMeasurer`), so
+both searches see the same costs and only their choices differ:
+- random search: the space in a random order;
+- the tuner's model-guided search (`Tuner.step`: the default point first, then batches of 8
+  the LightGBM model ranks fastest among a sample of unvisited points, an epsilon share
+  random), with either objective;
+each until it first measures a config within 95% of the table's best GFLOP/s. Medians over
+`--seeds` seeds; the verdict is guided trials / random trials (issue 9 asks <= 0.25).
+
+Ranking quality: top-5 recall of the model's ranking on held-out records (half of a
+workload's table trained on, the other half ranked), and across workloads (trained on the
+other workloads' tables only), for both objectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.run import cpu_name
+from compiler_core.autotune.cost_model import CostModel, top_k_recall
+from compiler_core.autotune.measure import Measurer, Result
+from compiler_core.autotune.records import FileLog, TuningRecord, open_log
+from compiler_core.autotune.search import Tuner, config_features, measured_record
+from compiler_core.autotune.tasks import Task, config_key, extract_tasks
+from compiler_core.frontend.onnx import import_model
+from compiler_core.passes.pipeline import optimize
+from compiler_core.target import host_target
+from tests.conftest import shared_model
+
+# (slug, model, input shapes, a piece of the task's workload text): three conv2d and two
+# dense workloads of the shared models, of different shapes and space sizes.
+WORKLOADS = (
+    ("conv3x3_256_14", "resnet18", None, "Conv 1x16x14x14x16 r16x3x3x16"),
+    ("conv3x3_512_7", "resnet18", None, "Conv 1x32x7x7x16 r32x3x3x16"),
+    ("conv1x1_96_576_14", "mobilenet_v2", None, "Conv 1x36x14x14x16 r6x1x1x16"),
+    ("dense_130x256x1024", "encoder4", None, "MatMul 1x130x1024 r256"),
+    ("bmm_4x130x128x64", "encoder4", None, "MatMul 1x4x130x128 r64"),
+)
+GOAL = 0.95  # of the best GFLOP/s in the table
+BATCH = 8  # the tuner's batch
+TOP_K = 5
+
+
+def workload_tasks() -> dict[str, Task]:
+    """slug -> the task, from the shared models (the first task whose workload matches)."""
+    tasks, graphs = {}, {}
+    for slug, model, shapes, piece in WORKLOADS:
+        if model not in graphs:
+            graph = optimize(import_model(str(shared_model(model)), shapes=shapes))
+            graphs[model] = extract_tasks(graph)
+        tasks[slug] = next(t for t in graphs[model] if piece in t.workload)
+    return tasks
+
+
+# --- ground truth --------------------------------------------------------------------------
+
+
+def measure_tables(tasks: dict[str, Task], folder: Path, batch: int = 16) -> None:
+    """Measure every config of every task not yet in its table."""
+    folder.mkdir(parents=True, exist_ok=True)
+    measurer = Measurer(host_target())
+    for slug, task in tasks.items():
+        log = FileLog(folder / f"{slug}.jsonl")
+        done = {r.config_key for r in log.records(task.key, measurer.fingerprint)}
+        todo = [c for c in task.space() if config_key(c) not in done]
+        started = time.monotonic()
+        for k in range(0, len(todo), batch):
+            configs = todo[k : k + batch]
+            results = measurer.measure(task, configs)
+            log.extend(
+                measured_record(task, c, r, measurer) for c, r in zip(configs, results, strict=True)
+            )
+            print(f"{slug}: {len(done) + k + len(configs)}/{len(done) + len(todo)}", flush=True)
+        print(f"{slug}: {len(todo)} measured in {time.monotonic() - started:.0f} s")
+
+
+def read_table(slug: str, task: Task, folder: Path) -> list[TuningRecord]:
+    """The measured table of a workload: its latest record per config."""
+    records = FileLog(folder / f"{slug}.jsonl").records(task.key, host_target().fingerprint)
+    return list({r.config_key: r for r in records}.values())
+
+
+# --- replay --------------------------------------------------------------------------------
+
+
+class ReplayMeasurer:
+    """Answers a search's trials from a measured table (what the Measurer found for each
+    config), so searches are compared on the same costs."""
+
+    def __init__(self, records: list[TuningRecord]):
+        self._by_config = {r.config_key: r for r in records}
+        self.fingerprint = records[0].fingerprint
+        self.target_label = records[0].target
+
+    def measure(self, task: Task, configs: list[dict]) -> list[Result]:
+        results = []
+        for config in configs:
+            record = self._by_config[config_key(config)]
+            ok = record.error == "ok"
+            results.append(Result(record.costs) if ok else Result((), record.error, ""))
+        return results
+
+
+def trials_to_goal(costs: list[float], goal: float) -> int:
+    """1-based index of the first cost at or under `goal` (len + 1 when none is)."""
+    return next((k + 1 for k, c in enumerate(costs) if c <= goal), len(costs) + 1)
+
+
+def random_trials(records: list[TuningRecord], goal: float, seed: int) -> int:
+    order = list(records)
+    random.Random(seed).shuffle(order)
+    return trials_to_goal([r.cost if r.ok else float("inf") for r in order], goal)
+
+
+def guided_trials(
+    task: Task,
+    records: list[TuningRecord],
+    features: dict[str, np.ndarray],
+    goal: float,
+    seed: int,
+    objective: str,
+) -> int:
+    """Trials the tuner's search takes to first measure a config within the goal, over the
+    table's configs only (its model starts cold: a fresh log)."""
+    with tempfile.TemporaryDirectory(prefix="kiln-search-") as tmp:
+        log = open_log(Path(tmp) / "log.jsonl")
+        tuner = Tuner(
+            [task],
+            host_target(),
+            log,
+            ReplayMeasurer(records),
+            batch=BATCH,
+            seed=seed,
+            model=CostModel(objective, seed=seed),
+        )
+        state = tuner.states[0]
+        state.space = [r.config for r in records]
+        state.features.update(features)
+        while state.best_cost > goal and tuner.step(state, BATCH):
+            pass
+        costs = [r.cost if r.ok else float("inf") for r in log.records(task.key, tuner.fingerprint)]
+        return trials_to_goal(costs, goal)
+
+
+def recall(
+    train: list[tuple[np.ndarray, float, str]],
+    test: list[tuple[np.ndarray, float]],
+    objective: str,
+    seed: int,
+) -> float | None:
+    """Top-k recall of a model trained on `train` (features, throughput, group) ranking
+    `test` (features, throughput); None when there is too little to train on."""
+    model = CostModel(objective, seed=seed)
+    features, throughput, groups = zip(*train, strict=True)
+    if not model.fit(np.stack(features), np.array(throughput), list(groups)):
+        return None
+    scores = model.predict(np.stack([f for f, _ in test]))
+    return top_k_recall(scores, np.array([t for _, t in test]), TOP_K)
+
+
+def evaluate(tasks: dict[str, Task], folder: Path, seeds: int) -> dict:
+    tables, features = {}, {}
+    for slug, task in tasks.items():
+        tables[slug] = read_table(slug, task, folder)
+        features[slug] = {r.config_key: config_features(task, r.config) for r in tables[slug]}
+    report = {"cpu": cpu_name(), "seeds": seeds, "goal": GOAL, "workloads": {}}
+    for slug, task in tasks.items():
+        records = tables[slug]
+        ok = [r for r in records if r.ok]
+        best = min(r.cost for r in ok)
+        goal = best / GOAL
+        default = next((r for r in ok if r.config == task.default_config()), None)
+        row = {
+            "space": len(records),
+            "errors": len(records) - len(ok),
+            "best_gflops": task.flops / best / 1e9,
+            "default_of_best": best / default.cost if default else None,
+            "random": [random_trials(records, goal, s) for s in range(seeds)],
+        }
+        for objective in ("regression", "rank"):
+            row[objective] = [
+                guided_trials(task, records, features[slug], goal, s, objective)
+                for s in range(seeds)
+            ]
+            row[f"recall_{objective}"] = _held_out_recall(ok, features[slug], objective, seeds)
+            row[f"transfer_recall_{objective}"] = _transfer_recall(
+                slug, tables, features, objective
+            )
+        report["workloads"][slug] = row
+    return report
+
+
+def _held_out_recall(ok, features, objective: str, seeds: int) -> float | None:
+    values = []
+    for seed in range(seeds):
+        order = list(ok)
+        random.Random(seed).shuffle(order)
+        half = len(order) // 2
+        train = [(features[r.config_key], 1 / r.cost, "task") for r in order[:half]]
+        test = [(features[r.config_key], 1 / r.cost) for r in order[half:]]
+        value = recall(train, test, objective, seed)
+        if value is not None:
+            values.append(value)
+    return statistics.mean(values) if values else None
+
+
+def _transfer_recall(slug, tables, features, objective: str) -> float | None:
+    train = [
+        (features[other][r.config_key], 1 / r.cost, other)
+        for other, records in tables.items()
+        if other != slug
+        for r in records
+        if r.ok
+    ]
+    test = [(features[slug][r.config_key], 1 / r.cost) for r in tables[slug] if r.ok]
+    return recall(train, test, objective, 0)
+
+
+def print_report(report: dict) -> None:
+    print(
+        f"CPU: {report['cpu']}; goal {report['goal']:.0%} of the best; "
+        f"medians over {report['seeds']} seeds"
+    )
+    header = (
+        f"{'workload':20s} {'space':>5s} {'best GF/s':>9s} {'default':>7s} {'random':>6s} "
+        f"{'guided':>6s} {'ratio':>5s} {'rank':>5s} {'ratio':>5s}  top-{TOP_K} recall "
+        "held-out / other workloads (regression; rank)"
+    )
+    print(header)
+    ratios = {"regression": [], "rank": []}
+    for slug, row in report["workloads"].items():
+        rand = statistics.median(row["random"])
+        medians = {o: statistics.median(row[o]) for o in ratios}
+        for o in ratios:
+            ratios[o].append(medians[o] / rand)
+        default = row["default_of_best"]
+        print(
+            f"{slug:20s} {row['space']:5d} {row['best_gflops']:9.1f} "
+            f"{(f'{default:.0%}' if default else '-'):>7s} {rand:6.1f} "
+            f"{medians['regression']:6.1f} {medians['regression'] / rand:5.2f} "
+            f"{medians['rank']:5.1f} {medians['rank'] / rand:5.2f}  "
+            f"{_pct(row['recall_regression'])} / {_pct(row['transfer_recall_regression'])}; "
+            f"{_pct(row['recall_rank'])} / {_pct(row['transfer_recall_rank'])}"
+        )
+    for objective, values in ratios.items():
+        print(
+            f"{objective}: guided/random trials, median over workloads "
+            f"{statistics.median(values):.2f}, worst {max(values):.2f}"
+        )
+
+
+def _pct(value) -> str:
+    return f"{value:.0%}" if value is not None else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", type=Path, default=Path("build/search"))
+    parser.add_argument("--measure", action="store_true", help="measure the ground truth")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=Path("bench/search.json"))
+    args = parser.parse_args()
+    tasks = workload_tasks()
+    if args.measure:
+        measure_tables(tasks, args.tables)
+        return
+    report = evaluate(tasks, args.tables, args.seeds)
+    print_report(report)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(f"results: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
