@@ -25,6 +25,7 @@ other workloads' tables only), for both objectives.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -36,6 +37,7 @@ import numpy as np
 
 from bench.run import cpu_name
 from compiler_core.autotune.cost_model import CostModel, top_k_recall
+from compiler_core.autotune.features import FEATURE_SET
 from compiler_core.autotune.measure import Measurer, Result
 from compiler_core.autotune.records import FileLog, TuningRecord, open_log
 from compiler_core.autotune.search import Tuner, config_features, measured_record
@@ -137,11 +139,14 @@ def guided_trials(
     goal: float,
     seed: int,
     objective: str,
+    prior: list[TuningRecord] = (),
 ) -> int:
     """Trials the tuner's search takes to first measure a config within the goal, over the
-    table's configs only (its model starts cold: a fresh log)."""
+    table's configs only; its log starts with `prior` (other workloads' records with their
+    features: a warm start) or empty (cold)."""
     with tempfile.TemporaryDirectory(prefix="kiln-search-") as tmp:
         log = open_log(Path(tmp) / "log.jsonl")
+        log.extend(prior)
         tuner = Tuner(
             [task],
             host_target(),
@@ -180,17 +185,35 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int) -> dict:
     tables, features = {}, {}
     for slug, task in tasks.items():
         tables[slug] = read_table(slug, task, folder)
-        features[slug] = {r.config_key: config_features(task, r.config) for r in tables[slug]}
+        features[slug] = {
+            r.config_key: config_features(task, r.config) for r in tables[slug] if r.ok
+        }
     report = {"cpu": cpu_name(), "seeds": seeds, "goal": GOAL, "workloads": {}}
+    models = {slug: model for slug, model, _, _ in WORKLOADS}
+
+    def prior_of(source: str, slug: str) -> list[TuningRecord]:
+        """Warm-start records for `slug`: every other workload's table ("others"), or only
+        ResNet-18's ("resnet18", for the workloads of other models), with features."""
+        return [
+            dataclasses.replace(
+                r, features=tuple(features[other][r.config_key]), feature_set=FEATURE_SET
+            )
+            for other, records in tables.items()
+            if other != slug and (source == "others" or (models[other] == source != models[slug]))
+            for r in records
+            if r.ok
+        ]
+
     for slug, task in tasks.items():
-        records = tables[slug]
-        ok = [r for r in records if r.ok]
+        # Both searches walk the configs that ran (a failed one would cost either a trial).
+        ok = [r for r in tables[slug] if r.ok]
+        records = ok
         best = min(r.cost for r in ok)
         goal = best / GOAL
         default = next((r for r in ok if r.config == task.default_config()), None)
         row = {
-            "space": len(records),
-            "errors": len(records) - len(ok),
+            "space": len(tables[slug]),
+            "errors": len(tables[slug]) - len(ok),
             "best_gflops": task.flops / best / 1e9,
             "default_of_best": best / default.cost if default else None,
             "random": [random_trials(records, goal, s) for s in range(seeds)],
@@ -204,6 +227,16 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int) -> dict:
             row[f"transfer_recall_{objective}"] = _transfer_recall(
                 slug, tables, features, objective
             )
+        row["transfer"] = {
+            source: [
+                guided_trials(
+                    task, records, features[slug], goal, s, "regression", prior_of(source, slug)
+                )
+                for s in range(seeds)
+            ]
+            for source in ("others", "resnet18")
+            if prior_of(source, slug)
+        }
         report["workloads"][slug] = row
     return report
 
@@ -265,6 +298,15 @@ def print_report(report: dict) -> None:
             f"{objective}: guided/random trials, median over workloads "
             f"{statistics.median(values):.2f}, worst {max(values):.2f}"
         )
+    print("transfer (regression objective): median trials to the goal, cold -> warm")
+    for slug, row in report["workloads"].items():
+        cold = statistics.median(row["regression"])
+        warm = ", ".join(
+            f"from {source} {statistics.median(trials):.1f} "
+            f"({statistics.median(trials) / cold:.2f} of cold)"
+            for source, trials in row["transfer"].items()
+        )
+        print(f"  {slug:20s} cold {cold:.1f}; {warm}")
 
 
 def _pct(value) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 
@@ -153,6 +154,9 @@ def _feature_names() -> tuple[str, ...]:
 
 FEATURE_NAMES: tuple[str, ...] = _feature_names()
 FEATURE_COUNT = len(FEATURE_NAMES)
+# Names this layout of the vector: records carry it with their features, and a cost model
+# learns only from records of the layout it extracts.
+FEATURE_SET = hashlib.sha256(",".join(FEATURE_NAMES).encode()).hexdigest()[:12]
 
 # --- expressions -------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ STRING_FIELDS = (
     "error",
     "error_detail",
     "compiler_version",
+    "feature_set",
 )
 NUMBER_FIELDS = ("flops", "timestamp")
 
@@ -79,6 +80,15 @@ def _check_config(config: Any) -> dict[str, int | str]:
         if not (_is_int(value) or isinstance(value, str)):
             raise RecordError(f"config knob {knob!r} must be an int or a string, got {value!r}")
     return dict(config)
+
+
+def _check_features(features: Any) -> tuple[float, ...]:
+    if isinstance(features, (str, bytes)) or not isinstance(features, Iterable):
+        raise RecordError(f"features must be a list of numbers, got {features!r}")
+    features = tuple(features)
+    if not all(_is_number(x) and math.isfinite(x) for x in features):
+        raise RecordError("features must be finite numbers")
+    return tuple(float(x) for x in features)
 
 
 def _check_costs(costs: Any, error: str) -> tuple[float, ...]:
@@ -114,6 +124,11 @@ class TuningRecord:
     flops: float = 0.0  # of one run of the workload
     compiler_version: str = ""
     timestamp: float = 0.0  # time.time() when measured
+    # The candidate's loop-program features (`autotune.features`) and the name of their
+    # layout: what lets a cost model learn from this record while tuning another workload
+    # (transfer), without the workload's program at hand. Empty in older records.
+    features: tuple[float, ...] = ()
+    feature_set: str = ""
 
     def __post_init__(self) -> None:
         for name in STRING_FIELDS:
@@ -135,6 +150,7 @@ class TuningRecord:
         # caller's dict may change later) and the costs as a tuple of floats.
         object.__setattr__(self, "config", _check_config(self.config))
         object.__setattr__(self, "costs", _check_costs(self.costs, self.error))
+        object.__setattr__(self, "features", _check_features(self.features))
 
     @property
     def ok(self) -> bool:
@@ -162,6 +178,9 @@ class TuningRecord:
     def to_dict(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
         fields["costs"] = list(self.costs)
+        fields["features"] = list(self.features)
+        if not self.features:  # a record without them reads and writes as before they existed
+            del fields["features"], fields["feature_set"]
         return fields
 
     def to_json(self) -> str:

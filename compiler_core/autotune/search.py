@@ -4,11 +4,13 @@ Per task the space is every config of its template's knobs that fits the registe
 a few hundred points; a conv with several algorithms has each one's). Each round measures a
 batch: the default point first, then the configs the cost model ranks fastest among a random
 sample of the unvisited ones (SCORED_PER_ROUND), with an epsilon share picked at random so
-the model keeps seeing the space it ranks badly. The model
-is retrained on every ok measurement of the session and of the log (records of this model's
-tasks, for this target). The task scheduler gives the next batch to the task with the largest
-estimated share of the model's time (occurrences x best cost so far) that is still improving:
-the gradient idea of Ansor's scheduler, in its simplest form.
+the model keeps seeing the space it ranks badly. The model is retrained on every ok
+measurement of the session and of the log for this target: this model's tasks, and every
+other workload's records that carry their features (transfer: a model trained on ResNet's
+convs ranks MobileNet's before it has measured any of them). The task scheduler gives the
+next batch to the task with the largest estimated share of the model's time (occurrences x
+best cost so far) that is still improving: the gradient idea of Ansor's scheduler, in its
+simplest form.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from compiler_core.autotune.cost_model import CostModel
-from compiler_core.autotune.features import extract
+from compiler_core.autotune.features import FEATURE_COUNT, FEATURE_SET, extract
 from compiler_core.autotune.measure import Measurer, Result
 from compiler_core.autotune.records import TuningLog, TuningRecord
 from compiler_core.autotune.tasks import Task, config_key
@@ -87,6 +89,8 @@ class Tuner:
         self.trials = 0
         for state in self.states:
             self._resume(state)
+        self._transfer = self._transfer_rows()
+        self._retrain()  # warm: from the log alone, before this session measures anything
 
     # --- state from the log -------------------------------------------------------------
 
@@ -182,7 +186,14 @@ class Tuner:
         task = state.task
         results = self.measurer.measure(task, configs)
         records = [
-            measured_record(task, c, r, self.measurer, self.compiler_version)
+            measured_record(
+                task,
+                c,
+                r,
+                self.measurer,
+                self.compiler_version,
+                self._features(state, c) if r.error == "ok" else None,
+            )
             for c, r in zip(configs, results, strict=True)
         ]
         self.log.extend(records)
@@ -192,8 +203,25 @@ class Tuner:
             self.trials += 1
             self._account(state, record.config, record.cost)
 
-    def _retrain(self) -> None:
+    def _transfer_rows(self) -> tuple[list[np.ndarray], list[float], list[str]]:
+        """(features, throughput, workload) of the log's ok records of other workloads on
+        this target that carry features of the layout `extract` gives."""
+        own = {state.task.key for state in self.states}
         rows, throughput, groups = [], [], []
+        for record in self.log.records(fingerprint=self.fingerprint):
+            if (
+                record.ok
+                and record.workload_key not in own
+                and record.feature_set == FEATURE_SET
+                and len(record.features) == FEATURE_COUNT
+            ):
+                rows.append(np.array(record.features, np.float32))
+                throughput.append(1.0 / record.cost)
+                groups.append(record.workload_key)
+        return rows, throughput, groups
+
+    def _retrain(self) -> None:
+        rows, throughput, groups = (list(part) for part in self._transfer)
         for state in self.states:
             for record in self.log.records(state.task.key, self.fingerprint):
                 if record.ok and record.template_version == state.task.template_version:
@@ -220,11 +248,18 @@ def config_features(task: Task, config: dict) -> np.ndarray:
 
 
 def measured_record(
-    task: Task, config: dict, result: Result, measurer, compiler_version: str = ""
+    task: Task,
+    config: dict,
+    result: Result,
+    measurer,
+    compiler_version: str = "",
+    features: np.ndarray | None = None,
 ) -> TuningRecord:
     """The log's record of one measurement of `task` at `config` by `measurer` (anything with
-    the Measurer's `fingerprint` and `target_label`)."""
+    the Measurer's `fingerprint` and `target_label`), with the candidate's features when
+    given (5 significant digits: they are log-scaled counts)."""
     ok = result.error == "ok"
+    kept = () if features is None else tuple(float(f"{x:.5g}") for x in features)
     return TuningRecord(
         workload_key=task.key,
         workload=task.workload,
@@ -239,4 +274,6 @@ def measured_record(
         flops=task.flops,
         compiler_version=compiler_version,
         timestamp=time.time(),
+        features=kept,
+        feature_set=FEATURE_SET if kept else "",
     )

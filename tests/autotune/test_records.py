@@ -94,6 +94,18 @@ def test_record_round_trips_through_one_json_line():
     assert again.gflops == pytest.approx(2.0 * 64 * 128 * 256 / 2e-3 / 1e9)
 
 
+def test_features_round_trip_and_a_record_without_them_writes_as_before():
+    """Features ride along for transfer; a record without them has no such keys at all, so
+    older logs read and write unchanged."""
+    with_features = record(features=[0.5, 3, 1e-3], feature_set="abc")
+    again = TuningRecord.from_json(with_features.to_json())
+    assert again == with_features and again.features == (0.5, 3.0, 1e-3)
+    plain = record().to_dict()
+    assert "features" not in plain and "feature_set" not in plain
+    with pytest.raises(RecordError, match="features must be finite"):
+        record(features=[1.0, float("inf")])
+
+
 def test_failed_record_ranks_last_and_serialises_without_inf():
     failed = record(error="timeout", error_detail="killed after 10 s")
     assert failed.cost == math.inf and failed.gflops == 0.0

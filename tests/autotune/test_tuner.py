@@ -16,6 +16,7 @@ import pytest
 from onnx import helper
 
 import compiler_core
+from compiler_core.autotune.features import FEATURE_SET
 from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
 from compiler_core.autotune.search import Tuner
@@ -169,6 +170,25 @@ def test_the_search_measures_distinct_configs_and_keeps_the_best(tmp_path, targe
     assert state.best_cost == min(r.cost for r in records if r.ok)
     assert tuner.model.trained  # retrained as measurements arrived
     assert isinstance(records[0], TuningRecord)
+
+
+def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, measurer):
+    """Transfer: records of another workload carry their candidates' features, so a tuner of
+    a new workload trains its model on them before measuring anything; its first batch after
+    the default point is then ranked, and its own records carry features in turn."""
+    conv, dense = tasks_of(conv_model())[0], tasks_of(dense_model())[0]
+    with FileLog(tmp_path / "t.jsonl") as log:
+        Tuner([conv], target, log, measurer, batch=6, seed=2).run(trials=12)
+        learned = [r for r in log.records() if r.ok]
+        assert learned and all(r.features and r.feature_set == FEATURE_SET for r in learned)
+        warm = Tuner([dense], target, log, measurer, batch=6, seed=2)
+        assert warm.model.trained
+        cold_log = FileLog(tmp_path / "cold.jsonl")
+        assert not Tuner([dense], target, cold_log, measurer).model.trained
+        # Features of another layout (an older extractor) are not learned from.
+        stale = FileLog(tmp_path / "stale.jsonl")
+        stale.extend(dataclasses.replace(r, feature_set="old") for r in learned)
+        assert not Tuner([dense], target, stale, measurer).model.trained
 
 
 def test_kiln_tune_then_compile_with_the_log(tmp_path):
