@@ -306,6 +306,11 @@ def cmd_tune(args) -> int:
         if resumed:
             print(f"resuming: {resumed} configs already in the log are not measured again")
         tuner.run(trials=args.trials, time_budget=budget, progress=progress)
+        if args.plot:
+            from compiler_core.autotune.plot import plot_curves
+
+            title = os.path.basename(args.model)
+            print(f"curves: {plot_curves(tuner.states, args.plot, title)}")
         for k, state in enumerate(tuner.states):
             default = state.task.flops / state.default_cost / 1e9 if state.default_cost else 0
             print(
@@ -373,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
         "records are kept apart and never applied to a GPU build",
     )
     tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw each task's best GFLOP/s against its trials (with --trials 0: the log's)",
+    )
     tune.set_defaults(run=cmd_tune)
 
     run = sub.add_parser("run", help="run a compiled module archive")

@@ -209,6 +209,15 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
     assert build.returncode == 0 and "tuned kernels: 1 of" in build.stdout
     no_budget = subprocess.run([kiln, "tune", str(model), "--log", str(log)], capture_output=True)
     assert no_budget.returncode == 2 and b"--trials" in no_budget.stderr
+    # --trials 0 measures nothing: the curves of what the log holds
+    curves = tmp_path / "curves.png"
+    plot = subprocess.run(
+        [kiln, "tune", str(model), "--trials", "0", "--log", str(log), "--plot", str(curves)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert plot.returncode == 0, plot.stderr
+    assert "resuming: 5 configs" in plot.stdout and len(log.read_text().splitlines()) == 5
+    assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and curves.stat().st_size > 10_000
 
 
 # --- the algorithm knob: a 3x3 conv's direct and Winograd forms --------------------------------
