@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import math
+import numbers
 import os
 import statistics
 import tempfile
@@ -86,7 +87,8 @@ def _check_features(features: Any) -> tuple[float, ...]:
     if isinstance(features, (str, bytes)) or not isinstance(features, Iterable):
         raise RecordError(f"features must be a list of numbers, got {features!r}")
     features = tuple(features)
-    if not all(_is_number(x) and math.isfinite(x) for x in features):
+    # numbers.Real: numpy's float32 values too (what the feature extractor returns)
+    if not all(isinstance(x, numbers.Real) and math.isfinite(x) for x in features):
         raise RecordError("features must be finite numbers")
     return tuple(float(x) for x in features)
 
