@@ -61,14 +61,12 @@ def _is_associative(combine: Expr) -> bool:
 
 def lane_reduction(store: Store, var: str) -> LaneReduction | None:
     """The combiner of a store that reduces over loop `var` (its element does not move with
-    `var`, its value reads that element once and combines it with one term of `var`), when
-    the combiner is associative and commutative; None otherwise."""
+    `var`, its value reads that element and combines it with one term of `var`, which may
+    appear more than once: select(t > acc, t, acc)), when the combiner is associative and
+    commutative; None otherwise."""
+    if not reduces_over(store, var):
+        return None
     accumulator = Load(store.buffer, store.indices)
-    if any(_depends_on(index, var) for index in store.indices):
-        return None
-    reads = [x for x in walk_exprs(store.value) if x == accumulator]
-    if not reads:
-        return None
     acc = Var(ACC, store.buffer.dtype)
     template = map_expr(store.value, lambda e: acc if e == accumulator else None)
     terms = _terms(template, var)
