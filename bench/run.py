@@ -4,7 +4,8 @@ the same run on the same machine, with the machine's FMA peak as the yardstick.
     .venv/bin/python -m bench.run [--models resnet18 mlp] [--threads 2] [--tuned]
 
 `--tuned` also builds each model with its committed log (`bench/tuning/<model>.jsonl`, written
-by `kiln tune`) and compares that build with ONNX Runtime in the same run.
+by `kiln tune`) and compares that build with ONNX Runtime in the same run; a GEMM case with a
+log (`bench/tuning/gemm_MxKxN.jsonl`: `kiln tune` over `gemm_model`) is timed tuned too.
 
 Latency is measured in alternating blocks (ten runs of one engine, then ten of the other, a
 0.3 s pause before each block and its first run dropped): ORT's worker threads keep spinning
@@ -214,9 +215,14 @@ def gemm_model(m: int, k: int, n: int) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def bench_gemm(m: int, k: int, n: int, threads: int) -> dict:
+def gemm_log(m: int, k: int, n: int) -> Path:
+    """The committed tuning log of one GEMM case (`kiln tune` over `gemm_model`'s model)."""
+    return TUNING_DIR / f"gemm_{m}x{k}x{n}.jsonl"
+
+
+def bench_gemm(m: int, k: int, n: int, threads: int, tuning: Path | None = None) -> dict:
     data = gemm_model(m, k, n)
-    module = load(compiler_core.compile(data), num_threads=threads)
+    module = load(compiler_core.compile(data, tuning=tuning), num_threads=threads)
     weights = numpy_helper.to_array(onnx.load_from_string(data).graph.initializer[0])
     a = np.random.default_rng(2).standard_normal((m, k)).astype(np.float32)
     times = interleaved(lambda: module.run({"a": a}), lambda: a @ weights)
@@ -225,6 +231,7 @@ def bench_gemm(m: int, k: int, n: int, threads: int) -> dict:
     numpy_rate = flops / np.median(times["theirs"]) / 1e9
     return {
         "shape": [m, k, n],
+        "tuning": str(tuning) if tuning else None,
         "kiln_gflops": ours,
         "numpy_gflops": numpy_rate,
         "ratio": ours / numpy_rate,
@@ -281,12 +288,17 @@ def main() -> None:
             f"{'% peak':>7s}"
         )
         for m, k, n in GEMM_CASES:
-            r = bench_gemm(m, k, n, args.threads)
-            results["gemm"].append(r)
-            print(
-                f"{m:5d},{k:5d},{n:5d}  {r['kiln_gflops']:12.1f} {r['numpy_gflops']:8.1f} "
-                f"{r['ratio']:10.2f} {100 * r['kiln_gflops'] / peak:6.1f}%"
-            )
+            logs = [None]
+            if args.tuned and gemm_log(m, k, n).exists():
+                logs.append(gemm_log(m, k, n))
+            for log in logs:
+                r = bench_gemm(m, k, n, args.threads, log)
+                results["gemm"].append(r)
+                print(
+                    f"{m:5d},{k:5d},{n:5d}  {r['kiln_gflops']:12.1f} {r['numpy_gflops']:8.1f} "
+                    f"{r['ratio']:10.2f} {100 * r['kiln_gflops'] / peak:6.1f}%"
+                    + ("  tuned" if log else "")
+                )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     print(f"results: {args.json}")
