@@ -305,6 +305,10 @@ def cmd_tune(args) -> int:
         resumed = sum(len(s.visited) for s in tuner.states)
         if resumed:
             print(f"resuming: {resumed} configs already in the log are not measured again")
+        records, workloads = tuner.transfer
+        if records:
+            print(f"warm start: the cost model learns from {records} records of {workloads} "
+                  "other workloads in the log")  # fmt: skip
         tuner.run(trials=args.trials, time_budget=budget, progress=progress)
         if args.plot:
             from compiler_core.autotune.plot import plot_curves

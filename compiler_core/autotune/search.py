@@ -92,6 +92,12 @@ class Tuner:
         self._transfer = self._transfer_rows()
         self._retrain()  # warm: from the log alone, before this session measures anything
 
+    @property
+    def transfer(self) -> tuple[int, int]:
+        """(records, workloads) of other workloads that the cost model learns from."""
+        _, _, groups = self._transfer
+        return len(groups), len(set(groups))
+
     # --- state from the log -------------------------------------------------------------
 
     def _resume(self, state: TaskState) -> None:

@@ -182,7 +182,7 @@ def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, meas
         learned = [r for r in log.records() if r.ok]
         assert learned and all(r.features and r.feature_set == FEATURE_SET for r in learned)
         warm = Tuner([dense], target, log, measurer, batch=6, seed=2)
-        assert warm.model.trained
+        assert warm.model.trained and warm.transfer == (len(learned), 1)
         cold_log = FileLog(tmp_path / "cold.jsonl")
         assert not Tuner([dense], target, cold_log, measurer).model.trained
         # Features of another layout (an older extractor) are not learned from.
