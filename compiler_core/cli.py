@@ -262,6 +262,17 @@ def parse_duration(text: str) -> float:
         raise UsageError(f"--time-budget {text!r}: expected e.g. 90s, 20m or 1h") from None
 
 
+def parse_size(text: str) -> int:
+    """`2M`, `512K` or plain bytes -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        if text and text[-1].upper() in units:
+            return int(float(text[:-1]) * units[text[-1].upper()])
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--cache-flush {text!r}: expected e.g. 2M or 512K") from None
+
+
 def _ms(seconds: float | None) -> str:
     return "(after every task's first batch)" if seconds is None else f"{seconds * 1000:.3f} ms"
 
@@ -294,7 +305,8 @@ def cmd_tune(args) -> int:
             flush=True,
         )
 
-    options = MeasureOptions(threads=args.threads, device=args.device)
+    flush = parse_size(args.cache_flush) if args.cache_flush else 0
+    options = MeasureOptions(threads=args.threads, device=args.device, flush_bytes=flush)
     with Measurer(target, options) as measurer, open_log(args.log) as log:
         if measurer.device:
             print(f"measuring on {measurer.device} ({measurer.target_label})")
@@ -382,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
         "records are kept apart and never applied to a GPU build",
     )
     tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument(
+        "--cache-flush",
+        metavar="SIZE",
+        help="write SIZE bytes (e.g. 2M) before every timed pass, so candidates are timed "
+        "with their data out of cache as inside a model; give it a log of its own (its "
+        "costs do not compare with unflushed ones)",
+    )
     tune.add_argument(
         "--plot",
         metavar="PNG",

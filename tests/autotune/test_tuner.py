@@ -191,6 +191,16 @@ def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, meas
         assert not Tuner([dense], target, stale, measurer).model.trained
 
 
+def test_candidates_time_with_a_cache_flush_before_every_pass(target):
+    """`flush_bytes`: a scratch write before each timed pass (not timed itself); the
+    candidates are still checked and timed."""
+    (task,) = tasks_of(dense_model())
+    options = MeasureOptions(repeats=2, min_repeat_seconds=0.001, flush_bytes=1 << 20)
+    with Measurer(target, options) as flushed:
+        (result,) = flushed.measure(task, [task.default_config()])
+    assert result.error == "ok" and len(result.costs) == 2 and min(result.costs) > 0
+
+
 def test_kiln_tune_then_compile_with_the_log(tmp_path):
     model = tmp_path / "dense.onnx"
     model.write_bytes(dense_model().SerializeToString())
@@ -209,6 +219,11 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
     assert build.returncode == 0 and "tuned kernels: 1 of" in build.stdout
     no_budget = subprocess.run([kiln, "tune", str(model), "--log", str(log)], capture_output=True)
     assert no_budget.returncode == 2 and b"--trials" in no_budget.stderr
+    bad_size = subprocess.run(
+        [kiln, "tune", str(model), "--trials", "1", "--log", str(log), "--cache-flush", "lots"],
+        capture_output=True,
+    )  # fmt: skip
+    assert bad_size.returncode == 2 and b"expected e.g. 2M" in bad_size.stderr
     # --trials 0 measures nothing: the curves of what the log holds
     curves = tmp_path / "curves.png"
     plot = subprocess.run(
