@@ -83,26 +83,28 @@ def _check_config(config: Any) -> dict[str, int | str]:
     return dict(config)
 
 
-def _check_features(features: Any) -> tuple[float, ...]:
-    if isinstance(features, (str, bytes)) or not isinstance(features, Iterable):
-        raise RecordError(f"features must be a list of numbers, got {features!r}")
-    features = tuple(features)
-    # numbers.Real: numpy's float32 values too (what the feature extractor returns)
-    if not all(isinstance(x, numbers.Real) and math.isfinite(x) for x in features):
-        raise RecordError("features must be finite numbers")
-    return tuple(float(x) for x in features)
+def _finite_numbers(values: Any, what: str) -> tuple[float, ...]:
+    """A list of finite numbers (numpy's too: the feature extractor returns float32s)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise RecordError(f"{what} must be a list of numbers, got {values!r}")
+    values = tuple(values)
+    for value in values:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+        ):
+            raise RecordError(f"{what} must be finite numbers, got {value!r}")
+    return tuple(float(value) for value in values)
 
 
 def _check_costs(costs: Any, error: str) -> tuple[float, ...]:
-    if isinstance(costs, (str, bytes)) or not isinstance(costs, Iterable):
-        raise RecordError(f"costs must be a list of seconds, got {costs!r}")
-    costs = tuple(costs)
-    for cost in costs:
-        if not _is_number(cost) or not math.isfinite(cost) or cost < 0:
-            raise RecordError(f"costs must be finite, non-negative seconds, got {cost!r}")
+    costs = _finite_numbers(costs, "costs")
+    if any(cost < 0 for cost in costs):
+        raise RecordError(f"costs must be finite, non-negative seconds, got {costs!r}")
     if error != "ok" and costs:
         raise RecordError(f"a record with error {error!r} carries no costs, got {costs!r}")
-    return tuple(float(cost) for cost in costs)
+    return costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +154,7 @@ class TuningRecord:
         # caller's dict may change later) and the costs as a tuple of floats.
         object.__setattr__(self, "config", _check_config(self.config))
         object.__setattr__(self, "costs", _check_costs(self.costs, self.error))
-        object.__setattr__(self, "features", _check_features(self.features))
+        object.__setattr__(self, "features", _finite_numbers(self.features, "features"))
 
     @property
     def ok(self) -> bool:

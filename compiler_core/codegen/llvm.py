@@ -55,7 +55,7 @@ from compiler_core.loop.ir import (
     Var,
 )
 from compiler_core.loop.simplify import simplify_expr
-from compiler_core.loop.transform import stmt_exprs, substitute, walk_exprs, walk_stmts
+from compiler_core.loop.transform import mentions, stmt_exprs, substitute, walk_exprs, walk_stmts
 from compiler_core.target import Target
 
 # Chunks per thread of a parallel loop: enough that a preempted thread's share is small and
@@ -160,7 +160,7 @@ STRIDED_LOAD_STRIDES = (2, 3, 4)
 def _lane_stride(e: Expr, var: str) -> int | None:
     """c when `e` is c * var plus terms that do not depend on var (those may be anything:
     a fused loop's floordiv and mod, say), else None."""
-    if not any(isinstance(x, Var) and x.name == var for x in walk_exprs(e)):
+    if not mentions(e, var):
         return 0
     if isinstance(e, Var):
         return 1
@@ -291,7 +291,7 @@ class FunctionEmitter:
         for s in walk_stmts(loop.body):
             if (
                 isinstance(s, IfThenElse)
-                and self._depends_on(s.cond, loop.var.name)
+                and mentions(s.cond, loop.var.name)
                 and not self._maskable(s, loop.var.name)
             ):
                 return False
@@ -319,15 +319,11 @@ class FunctionEmitter:
         ]
         for buffer, indices in accesses:
             flat = self._flat_index(buffer, indices)
-            if self._depends_on(flat, var) and (
+            if mentions(flat, var) and (
                 _lane_stride(flat, var) != 1 or buffer.dtype not in MASKABLE
             ):
                 return False
         return True
-
-    @staticmethod
-    def _depends_on(e: Expr, name: str) -> bool:
-        return any(isinstance(x, Var) and x.name == name for x in walk_exprs(e))
 
     def _if(self, b: ir.IRBuilder, scope: _Scope, s: IfThenElse) -> None:
         cond = self._expr(b, scope, s.cond)
@@ -397,7 +393,7 @@ class FunctionEmitter:
         if base is None:
             raise CodegenError(f"buffer {buffer.name!r} is not in scope")
         element = memory_type(buffer.dtype)
-        if scope.lanes == 1 or not self._depends_on(flat, scope.vector_var):
+        if scope.lanes == 1 or not mentions(flat, scope.vector_var):
             # Evaluated as a scalar: a load inside the index (a length read from memory, say)
             # would otherwise come back splat across the lanes and make the address a vector.
             scalar = dataclasses.replace(scope, lanes=1, vector_var=None, mask=None)

@@ -1020,6 +1020,8 @@ def unblock_schedule(stage: StageInfo, block: int, target: Target) -> list[Recor
         Reorder((stage.loop(0), f"{channel}_o", *spatial, inner)),
     ]
     if stage.shape[-1] >= lanes:  # else a short row: one pixel at a time, its block unrolled
+        # The block's channels inside the pixel tile, not outside it with `_vector_rows` over
+        # whole rows: 1.5-2x slower measured (the tile's 16 pixels x 16 channels stay in L1).
         ragged = stage.shape[-1] % lanes
         records += [
             SplitOverlap(width, lanes) if ragged else Split(width, lanes),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from compiler_core.loop.ir import Binary, Expr, For, Load, Select, Store, Var
-from compiler_core.loop.transform import map_expr, stmt_exprs, walk_exprs, walk_stmts
+from compiler_core.loop.transform import map_expr, mentions, stmt_exprs, walk_exprs, walk_stmts
 
 # The names of a combiner's two operands: the running value and the next term.
 ACC = "lane.acc"
@@ -34,14 +34,10 @@ class LaneReduction:
     term: Expr
 
 
-def _depends_on(e: Expr, name: str) -> bool:
-    return any(isinstance(x, Var) and x.name == name for x in walk_exprs(e))
-
-
 def _terms(e: Expr, var: str) -> list[Expr]:
     """The largest subexpressions of `e` that depend on `var` and do not contain ACC."""
-    if not _depends_on(e, ACC):
-        return [e] if _depends_on(e, var) else []
+    if not mentions(e, ACC):
+        return [e] if mentions(e, var) else []
     return [t for child in e.children() for t in _terms(child, var)]
 
 
@@ -84,7 +80,7 @@ def lane_reduction(store: Store, var: str) -> LaneReduction | None:
 def reduces_over(store: Store, var: str) -> bool:
     """Whether `store` writes one element for every iteration of `var` and reads it back:
     a reduction over `var`, whatever its combiner."""
-    if any(_depends_on(index, var) for index in store.indices):
+    if any(mentions(index, var) for index in store.indices):
         return False
     return any(
         isinstance(x, Load) and x.buffer == store.buffer and x.indices == store.indices

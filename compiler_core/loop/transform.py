@@ -74,6 +74,11 @@ def walk_exprs(e: Expr) -> Iterator[Expr]:
         yield from walk_exprs(child)
 
 
+def mentions(e: Expr, name: str) -> bool:
+    """Whether variable `name` occurs in `e`."""
+    return any(isinstance(x, Var) and x.name == name for x in walk_exprs(e))
+
+
 def stmt_exprs(s: Stmt) -> Iterator[Expr]:
     """The expressions directly held by one statement (not its children statements)."""
     for child in s.children():
