@@ -38,6 +38,7 @@ from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.ir import Graph
 from compiler_core.graph.printer import format_graph, format_groups
 from compiler_core.passes.pipeline import PASS_NAMES, optimize
+from compiler_core.runtime.module import random_inputs
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -76,20 +77,6 @@ def parse_buckets(text: str | None) -> list[int] | None:
         return [int(word) for word in text.split(",") if word.strip()]
     except ValueError:
         raise UsageError(f"--batch-buckets {text!r}: expected sizes such as 1,2,4,8,16") from None
-
-
-def random_inputs(graph: Graph, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for name in graph.inputs:
-        t = graph.types[name]
-        if t.dtype == "bool":
-            feeds[name] = rng.integers(0, 2, t.shape).astype(bool)
-        elif np.dtype(t.dtype).kind in "iu":
-            feeds[name] = rng.integers(0, 10, t.shape).astype(t.dtype)
-        else:
-            feeds[name] = rng.standard_normal(t.shape).astype(t.dtype)
-    return feeds
 
 
 def summary(graph: Graph) -> str:
@@ -133,7 +120,7 @@ def cmd_verify(args) -> int:
     graph = import_model(args.model, shapes=parse_shapes(args.shape))
     optimized = optimize(graph)
     compile_seconds = time.perf_counter() - started
-    feeds = random_inputs(graph, args.seed)
+    feeds = random_inputs(graph.input_signature(), args.seed)
     results = run_graph(optimized, feeds)
     print(f"{args.model}: {summary(graph)}")
     print(f"optimized in {compile_seconds:.2f}s: {summary(optimized)}")
@@ -211,12 +198,7 @@ def _load_inputs(module, items: Sequence[str] | None, seed: int) -> dict[str, np
             given[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as err:
             raise UsageError(f"--input {item!r}: cannot read {path!r}: {err}") from None
-    rng = np.random.default_rng(seed)
-    for name, shape, dtype in module.inputs:
-        if name not in given:
-            values = rng.standard_normal(shape) if dtype.kind == "f" else rng.integers(0, 4, shape)
-            given[name] = values.astype(dtype)
-    return given
+    return {**random_inputs(module.inputs, seed), **given}
 
 
 def cmd_run(args) -> int:

@@ -26,7 +26,7 @@ from compiler_core.frontend.onnx import defaulted_shapes, import_model, load_mod
 from compiler_core.graph.ir import Graph
 from compiler_core.passes.pipeline import optimize
 from compiler_core.reference import run_graph
-from compiler_core.runtime.module import load, sha256
+from compiler_core.runtime.module import load, random_inputs, sha256
 from compiler_core.target import Target, TargetError, parse_target
 
 COMPILER_VERSION = "0.1.0"
@@ -72,24 +72,10 @@ class ModuleArchive:
         return path
 
 
-def _random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for name in graph.inputs:
-        t = graph.types[name]
-        if np.dtype(t.dtype).kind == "f":
-            feeds[name] = rng.standard_normal(t.shape).astype(t.dtype)
-        elif t.dtype == "bool":
-            feeds[name] = rng.integers(0, 2, t.shape).astype(bool)
-        else:
-            feeds[name] = rng.integers(0, 4, t.shape).astype(t.dtype)
-    return feeds
-
-
 def _verification(archive: ModuleArchive, graph: Graph, device: str | None = None) -> dict:
     """Run the compiled module (on `device`) and the reference executor on the same random
     inputs."""
-    feeds = _random_inputs(graph)
+    feeds = random_inputs(graph.input_signature())
     actual = load(archive, device=device).run(feeds)
     expected = run_graph(graph, feeds)
     worst, ok = 0.0, True

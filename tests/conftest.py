@@ -9,6 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from compiler_core.runtime.module import random_inputs
+
 REPO = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO.parent / "shared" / "models"
 LIGHT_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
@@ -43,9 +45,8 @@ def light_model_logits(name: str) -> onnx.ModelProto:
 
 
 def random_feeds(inputs, seed: int = 0) -> dict[str, np.ndarray]:
-    """Standard-normal float inputs for (name, shape, dtype) triples."""
-    rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal(shape).astype(dtype) for name, shape, dtype in inputs}
+    """Seeded inputs for (name, shape, dtype) triples: the compiler's own generator."""
+    return random_inputs(inputs, seed)
 
 
 def assert_close_to_scale(actual, expected, rtol: float = 1e-4, label: str = "") -> None:

@@ -40,6 +40,7 @@ from compiler_core.frontend.convert_utils import (
     resolve_reshape,
     single_output,
 )
+from compiler_core.registry import merge_tables
 
 # --- converters --------------------------------------------------------------------------------
 
@@ -537,31 +538,24 @@ def node_label(node: onnx.NodeProto) -> str:
     return f"unnamed node producing {list(node.output)}"
 
 
-def _merge(*tables: dict[str, dict[int, Converter]]) -> dict[str, dict[int, Converter]]:
-    merged: dict[str, dict[int, Converter]] = {}
-    for table in tables:
-        for op, versions in table.items():
-            if op in merged:
-                raise RuntimeError(f"converter for {op!r} is defined twice")
-            merged[op] = versions
-    return merged
-
-
 # The one table. Family modules keep their converters beside their topic; this is where
 # they all meet.
-CONVERTERS: dict[str, dict[int, Converter]] = _merge(
-    _CORE,
-    convert_conv_transpose.CONVERTERS,
-    convert_normalization.CONVERTERS,
-    convert_transformer.CONVERTERS,
-    convert_losses.CONVERTERS,
-    convert_indexing.CONVERTERS,
-    convert_image.CONVERTERS,
-    convert_recurrent.CONVERTERS,
-    convert_quantize.CONVERTERS,
-    convert_signal.CONVERTERS,
-    convert_linalg.CONVERTERS,
-    convert_control.CONVERTERS,
+CONVERTERS: dict[str, dict[int, Converter]] = merge_tables(
+    (
+        _CORE,
+        convert_conv_transpose.CONVERTERS,
+        convert_normalization.CONVERTERS,
+        convert_transformer.CONVERTERS,
+        convert_losses.CONVERTERS,
+        convert_indexing.CONVERTERS,
+        convert_image.CONVERTERS,
+        convert_recurrent.CONVERTERS,
+        convert_quantize.CONVERTERS,
+        convert_signal.CONVERTERS,
+        convert_linalg.CONVERTERS,
+        convert_control.CONVERTERS,
+    ),
+    "converter",
 )
 
 

@@ -254,6 +254,10 @@ class Graph:
 
     # --- derived views -------------------------------------------------------------------
 
+    def input_signature(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of each graph input, in order."""
+        return [(n, self.types[n].shape, self.types[n].dtype) for n in self.inputs]
+
     @cached_property
     def producers(self) -> Mapping[str, Node]:
         return MappingProxyType({out: n for n in self.nodes for out in n.outputs if out})

@@ -19,29 +19,22 @@ from compiler_core.kernels import (
     transformer,
 )
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
+from compiler_core.registry import merge_tables
 
-
-def _merge(*tables: dict[str, Builder]) -> dict[str, Builder]:
-    merged: dict[str, Builder] = {}
-    for table in tables:
-        for op, builder in table.items():
-            if op in merged:
-                raise RuntimeError(f"kernel for {op!r} is defined twice")
-            merged[op] = builder
-    return merged
-
-
-KERNELS: dict[str, Builder] = _merge(
-    elementwise.KERNELS,
-    injective.KERNELS,
-    reduce.KERNELS,
-    nn.KERNELS,
-    losses.KERNELS,
-    transformer.KERNELS,
-    signal.KERNELS,
-    recurrent.KERNELS,
-    linear_attention.KERNELS,
-    control.KERNELS,
+KERNELS: dict[str, Builder] = merge_tables(
+    (
+        elementwise.KERNELS,
+        injective.KERNELS,
+        reduce.KERNELS,
+        nn.KERNELS,
+        losses.KERNELS,
+        transformer.KERNELS,
+        signal.KERNELS,
+        recurrent.KERNELS,
+        linear_attention.KERNELS,
+        control.KERNELS,
+    ),
+    "kernel",
 )
 
 __all__ = ["KERNELS", "KernelContext", "KernelError"]

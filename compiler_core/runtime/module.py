@@ -103,6 +103,23 @@ def _address(array: np.ndarray) -> int:
         return array.ctypes.data
 
 
+def random_inputs(signature: Signature, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs for (name, shape, dtype) triples: standard-normal floats, booleans, and
+    integers in 0..3 (small enough to be valid indices and lengths of most models). The
+    one generator of the verification, `kiln verify` / `kiln run` and the tests."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, shape, dtype in signature:
+        dtype = np.dtype(dtype)
+        if dtype.kind == "f" or dtype.name == "bfloat16":
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            feeds[name] = rng.integers(0, 4, shape).astype(dtype)
+    return feeds
+
+
 def signature(values: list[dict]) -> Signature:
     return [(v["name"], tuple(v["shape"]), np.dtype(v["dtype"])) for v in values]
 

@@ -52,7 +52,7 @@ def test_light_model_matches_onnxruntime(name):
     model = light_model_logits(name)
     graph = import_model(model)
     optimized = verify(optimize(graph))
-    feeds = random_feeds([(n, graph.types[n].shape, graph.types[n].dtype) for n in graph.inputs])
+    feeds = random_feeds(graph.input_signature())
     actual = run_graph(optimized, feeds)[graph.outputs[0]]
     (expected,) = ort_outputs(model.SerializeToString(), feeds)
     assert_close_to_scale(actual, expected, label=name)

@@ -24,6 +24,7 @@ from compiler_core.graph.ops import (
     transformer,
 )
 from compiler_core.graph.ops.base import OpDef
+from compiler_core.registry import merge_tables
 
 _FAMILIES = (
     elementwise.OPS,
@@ -45,16 +46,6 @@ _FAMILIES = (
 )
 
 
-def _merge(families) -> dict[str, OpDef]:
-    table: dict[str, OpDef] = {}
-    for family in families:
-        for name, opdef in family.items():
-            if name in table:
-                raise RuntimeError(f"operator {name!r} is defined twice in the op table")
-            table[name] = opdef
-    return table
-
-
-OP_TABLE: dict[str, OpDef] = _merge(_FAMILIES)
+OP_TABLE: dict[str, OpDef] = merge_tables(_FAMILIES, "operator definition")
 
 __all__ = ["OP_TABLE", "OpDef"]
