@@ -57,6 +57,9 @@ Status = Literal["queued", "running", "done", "failed", "cancelled"]
 class Progress(BaseModel):
     tasks_done: int = 0
     tasks_total: int = 0
+    # The tuned workloads' time in one model run (occurrences x best measured), once each
+    # has a measurement.
+    estimated_ms: float | None = None
 
 
 class Compilation(BaseModel):

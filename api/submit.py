@@ -119,7 +119,7 @@ def describe_event(event: Event) -> str:
             f"tuning task {data.get('task')} ({data.get('workload')}): {data.get('trials')} "
             f"trials, best {data.get('best_gflops', 0):.2f} GFLOP/s; "
             f"{data.get('tasks_done')}/{data.get('tasks_total')} tasks done, "
-            f"estimated {data.get('estimated_ms')} ms"
+            f"estimated {data.get('estimated_ms')} ms" + _tuning_status(data)
         )
     if event.type == "measured":
         return f"measured latency {data.get('latency_ms')} ms"
@@ -128,6 +128,16 @@ def describe_event(event: Event) -> str:
     if event.type == "failed":
         return f"failed: {data.get('error', '')}"
     return event.type
+
+
+def _tuning_status(data: dict) -> str:
+    """A tuning task's end, and who tuned it (the workers share a job's tasks)."""
+    status, worker = data.get("status"), data.get("worker")
+    if status == "failed":
+        return f"; failed: {data.get('error', '')}"
+    if status == "done":
+        return f"; done on {worker}" if worker else "; done"
+    return f" (on {worker})" if worker else ""
 
 
 def _stage_detail(data: dict) -> str:

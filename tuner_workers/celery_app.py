@@ -12,6 +12,7 @@ from celery import Celery
 from tuner_workers.settings import KilnSettings
 
 COMPILE_TASK = "kiln.compile"
+TUNE_TASK = "kiln.tune_workload"  # one workload of a compile job's tuning stage
 GENERIC_CPU_QUEUE = "cpu"
 
 

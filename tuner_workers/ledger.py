@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
+# A tuning task ends done (its budget spent or its search converged) or failed (an error its
+# record says; the job builds with whatever the log holds).
+TUNING_ENDED = frozenset({"done", "failed"})
 Update = Callable[[dict], dict | None]  # new document, or None to leave it as it is
 
 
@@ -310,6 +313,56 @@ class Ledger:
 
     def read_events(self, job_id: str, after: str | None = None) -> list[tuple[str, dict]]:
         return self.backend.read(f"job/{job_id}", after)
+
+    # --- a job's tuning tasks (one per workload, fanned out to the workers) -------------------
+
+    def add_tuning_tasks(self, job_id: str, tasks: list[dict]) -> list[dict]:
+        """Record the workloads job `job_id` tunes (each a dict with its `key` and budget),
+        pending; a job taken up again keeps what its earlier attempt recorded."""
+        for task in tasks:
+            name = f"{job_id}/{task['key']}"
+            if self.backend.get("tuning", name) is None:
+                self.backend.put("tuning", name, {**task, "job": job_id, "status": "pending",
+                                                  "owner": None, "heartbeat": 0, "trials": 0,
+                                                  "attempts": 0})  # fmt: skip
+            self.backend.add_member(f"tuning/{job_id}", task["key"])
+        return self.tuning_tasks(job_id)
+
+    def tuning_tasks(self, job_id: str) -> list[dict]:
+        keys = self.backend.members(f"tuning/{job_id}")
+        found = (self.get_tuning_task(job_id, key) for key in keys)
+        return sorted(filter(None, found), key=lambda t: t.get("index", 0))
+
+    def get_tuning_task(self, job_id: str, key: str) -> dict | None:
+        return self.backend.get("tuning", f"{job_id}/{key}")
+
+    def claim_tuning_task(
+        self, job_id: str, key: str, owner: str, lease_seconds: float
+    ) -> dict | None:
+        """Take a pending tuning task, or one whose owner's lease ran out, for `owner`."""
+        now = time.time()
+
+        def change(task: dict) -> dict | None:
+            if task["status"] in TUNING_ENDED:
+                return None
+            held = task["status"] == "running" and task.get("owner") != owner
+            if held and now - task.get("heartbeat", 0) < lease_seconds:
+                return None
+            return {**task, "status": "running", "owner": owner, "heartbeat": now,
+                    "attempts": task.get("attempts", 0) + 1}  # fmt: skip
+
+        return self.backend.update("tuning", f"{job_id}/{key}", change)
+
+    def update_tuning_task(self, job_id: str, key: str, owner: str, **fields) -> dict | None:
+        """Record progress (and renew the lease) of a tuning task `owner` holds; None once it
+        is not its own any more or has ended."""
+
+        def change(task: dict) -> dict | None:
+            if task.get("owner") != owner or task["status"] in TUNING_ENDED:
+                return None
+            return {**task, **fields, "heartbeat": time.time()}
+
+        return self.backend.update("tuning", f"{job_id}/{key}", change)
 
     # --- artifacts and deployments ----------------------------------------------------------
 

@@ -121,11 +121,18 @@ class JobRun:
 
 
 def run_compile_job(
-    job_id: str, ledger: Ledger, store, settings, time_limit_errors: tuple = ()
+    job_id: str,
+    ledger: Ledger,
+    store,
+    settings,
+    time_limit_errors: tuple = (),
+    send_tuning=None,
 ) -> dict | None:
     """Run (or take up again) compile job `job_id`; returns its final record, or None when the
     job is not this worker's to run (ended, cancelled, or held by a live owner).
-    `time_limit_errors`: the exceptions that mean the job ran past its soft time limit."""
+    `time_limit_errors`: the exceptions that mean the job ran past its soft time limit;
+    `send_tuning(job_id, workload_key)`: fans a tuning task out to the workers (None: the
+    job tunes every workload itself)."""
     job = ledger.get_job(job_id)
     if job is None or job["status"] in TERMINAL:
         return job
@@ -137,7 +144,7 @@ def run_compile_job(
     run = JobRun(ledger, claimed, owner, settings.heartbeat_seconds)
     with run.heartbeating():
         try:
-            _compile_stages(run, store, settings)
+            _compile_stages(run, store, settings, send_tuning)
         except JobStopped:
             log.info("job %s cancelled or taken over", job_id)
         except ValueError as err:  # the compiler's user errors: a model or option to fix
@@ -151,53 +158,12 @@ def run_compile_job(
     return ledger.get_job(job_id)
 
 
-def _tune(run: JobRun, graph, target, request: dict, settings):
-    """Tune the graph's tasks within the request's budget against the shared log; returns the
-    log to build with, or None for an untuned build. Progress: a `tuning` event per batch, and
-    k/n tasks done (a task is done when its search has converged or its space is spent)."""
-    from compiler_core.autotune.measure import Measurer
-    from compiler_core.autotune.records import open_log
-    from compiler_core.autotune.search import Tuner
-    from compiler_core.autotune.tasks import extract_tasks
-
-    trials, budget = request.get("trials"), request.get("time_budget")
-    if not trials and not budget:
-        run.stage("tuning", progress={"tasks_done": 0, "tasks_total": 0}, tuned=False)
-        return None
-    tasks = extract_tasks(graph, target)
-    run.stage("tuning", progress={"tasks_done": 0, "tasks_total": len(tasks)}, tuned=True)
-    log = open_log(settings.resolved_tuning_log)
-
-    def progress(tuner, state) -> None:
-        run.check()
-        done = sum(1 for s in tuner.states if s.exhausted)
-        estimate = tuner.estimated_latency()
-        latency_ms = None if estimate is None else round(estimate * 1000, 4)
-        run.ledger.update_job(
-            run.job["id"], progress={"tasks_done": done, "tasks_total": len(tasks)}
-        )
-        run.event(
-            "tuning",
-            task=tuner.states.index(state),
-            workload=state.task.workload,
-            trials=state.trials,
-            best_gflops=round(state.best_gflops, 2),
-            tasks_done=done,
-            tasks_total=len(tasks),
-            estimated_ms=latency_ms,
-        )
-
-    with Measurer(target) as measurer:
-        tuner = Tuner(tasks, target, log, measurer, compiler_version=compiler_version())
-        tuner.run(trials=trials, time_budget=budget, progress=progress)
-    return log
-
-
-def _compile_stages(run: JobRun, store, settings) -> None:
+def _compile_stages(run: JobRun, store, settings, send_tuning=None) -> None:
     from compiler_core.compiler import attach_verification, compile_graph
     from compiler_core.frontend.onnx import import_model
     from compiler_core.passes.pipeline import optimize
     from compiler_core.target import parse_target
+    from tuner_workers.tuning import tune_job
 
     job = run.job
     known = _known_artifact(store, job["key"])
@@ -209,7 +175,7 @@ def _compile_stages(run: JobRun, store, settings) -> None:
     target = parse_target(job["target"])
     model = store.get_blob(job["model_digest"])
     graph = optimize(import_model(model, shapes=job.get("shapes") or None), target=target)
-    tuning = _tune(run, graph, target, job.get("tuning") or {}, settings)
+    tuning = tune_job(run, graph, target, job.get("tuning") or {}, settings, send_tuning)
     run.stage("building", kernels=len(graph.nodes), tuned=tuning is not None)
     model_sha = job["model_digest"].split(":")[-1]
     archive = compile_graph(graph, target, model_sha, verify=False, tuning=tuning)

@@ -14,8 +14,8 @@ from functools import cached_property
 from celery import Celery, signals
 from celery.exceptions import SoftTimeLimitExceeded
 
-from tuner_workers import service
-from tuner_workers.celery_app import COMPILE_TASK, make_app
+from tuner_workers import service, tuning
+from tuner_workers.celery_app import COMPILE_TASK, TUNE_TASK, make_app
 from tuner_workers.ledger import Ledger, open_ledger
 from tuner_workers.settings import KilnSettings
 
@@ -41,6 +41,11 @@ class WorkerContext:
 
     def enqueue(self, job: dict) -> None:
         self.app.send_task(COMPILE_TASK, args=[job["id"]], queue=job["queue"])
+
+    def send_tuning(self, job_id: str, key: str) -> None:
+        """One workload of a job's tuning, to the job's queue (its hardware's workers)."""
+        job = self.ledger.get_job(job_id)
+        self.app.send_task(TUNE_TASK, args=[job_id, key], queue=job["queue"])
 
     def watch_for_orphans(self) -> None:
         """Take up jobs whose worker died: at start (a restarted worker finds its
@@ -73,8 +78,20 @@ def create_worker_app(settings: KilnSettings | None = None) -> Celery:
             context.store,
             context.settings,
             time_limit_errors=(SoftTimeLimitExceeded,),
+            send_tuning=context.send_tuning,
         )
         return None if job is None else {"id": job_id, "status": job["status"]}
+
+    @app.task(name=TUNE_TASK, shared=False)
+    def tune_workload(job_id: str, key: str) -> dict | None:
+        try:
+            entry = tuning.run_tune_message(
+                context.ledger, context.store, context.settings, job_id, key
+            )
+        except service.JobStopped:
+            log.info("job %s: tuning of %s stopped (cancelled or taken over)", job_id, key)
+            return None
+        return None if entry is None else {"job": job_id, "key": key, "status": entry["status"]}
 
     return app
 

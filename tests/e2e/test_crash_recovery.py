@@ -36,8 +36,9 @@ class Processes:
     """The api and a worker as processes of their own (not `kiln serve`: the test kills the
     worker alone), a way to start the next worker, and a clean stop of all of them."""
 
-    def __init__(self, tmp_path, redis: str | None):
+    def __init__(self, tmp_path, redis: str | None, worker_concurrency: int = 1):
         self.env = dict(os.environ, KILN_DATA_DIR=str(tmp_path), KILN_API_KEYS=f"tests:{KEY}")
+        self.env["KILN_WORKER_CONCURRENCY"] = str(worker_concurrency)
         self.env.update(KILN_HEARTBEAT_SECONDS="0.5", KILN_JOB_LEASE_SECONDS="60")
         self.env.update(KILN_NUM_THREADS="1")
         self.env.pop("KILN_REDIS_URL", None)
