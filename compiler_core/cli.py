@@ -26,6 +26,7 @@ kiln submit model.onnx --server URL [--tune 10m] [--deploy NAME]   compile (and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -270,6 +271,9 @@ def cmd_tune(args) -> int:
     if args.trials is None and args.time_budget is None:
         raise UsageError("give a budget: --trials N or --time-budget 20m")
     budget = parse_duration(args.time_budget) if args.time_budget else None
+    for path in args.transfer_from:
+        if not path.startswith("redis://") and not os.path.isfile(path):
+            raise UsageError(f"--transfer-from {path}: no such tuning log")
     target = parse_target(args.target)
     graph = optimize(import_model(args.model, shapes=parse_shapes(args.shape)), target=target)
     tasks = extract_tasks(graph, target)
@@ -289,20 +293,24 @@ def cmd_tune(args) -> int:
 
     flush = parse_size(args.cache_flush) if args.cache_flush else 0
     options = MeasureOptions(threads=args.threads, device=args.device, flush_bytes=flush)
-    with Measurer(target, options) as measurer, open_log(args.log) as log:
+    with contextlib.ExitStack() as stack:
+        measurer = stack.enter_context(Measurer(target, options))
+        log = stack.enter_context(open_log(args.log))
+        sources = [stack.enter_context(open_log(path)) for path in args.transfer_from]
         if measurer.device:
             print(f"measuring on {measurer.device} ({measurer.target_label})")
         tuner = Tuner(
             tasks, target, log, measurer, batch=args.batch, seed=args.seed,
-            compiler_version=COMPILER_VERSION,
+            compiler_version=COMPILER_VERSION, transfer_from=sources,
         )  # fmt: skip
         resumed = sum(len(s.visited) for s in tuner.states)
         if resumed:
             print(f"resuming: {resumed} configs already in the log are not measured again")
         records, workloads = tuner.transfer
         if records:
+            where = "the logs" if sources else "the log"
             print(f"warm start: the cost model learns from {records} records of {workloads} "
-                  "other workloads in the log")  # fmt: skip
+                  f"other workloads in {where}")  # fmt: skip
         tuner.run(trials=args.trials, time_budget=budget, progress=progress)
         if args.plot:
             from compiler_core.autotune.plot import plot_curves
@@ -367,6 +375,14 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--trials", type=int, help="candidates to measure in all")
     tune.add_argument("--time-budget", help="wall clock, e.g. 90s, 20m, 1h")
     tune.add_argument("--log", required=True, help="tuning log: JSONL path or redis:// URL")
+    tune.add_argument(
+        "--transfer-from",
+        action="append",
+        default=[],
+        metavar="LOG",
+        help="another tuning log to learn from before measuring (read only; repeatable): its "
+        "records of this target warm-start the cost model",
+    )
     tune.add_argument("--batch", type=int, default=8, help="candidates per round")
     tune.add_argument("--threads", type=int, default=None, help="threads while measuring")
     tune.add_argument(

@@ -2,15 +2,16 @@
 
 Per task the space is every config of its template's knobs that fits the registers (tens to
 a few hundred points; a conv with several algorithms has each one's). Each round measures a
-batch: the default point first, then the configs the cost model ranks fastest among a random
-sample of the unvisited ones (SCORED_PER_ROUND), with an epsilon share picked at random so
-the model keeps seeing the space it ranks badly. The model is retrained on every ok
-measurement of the session and of the log for this target: this model's tasks, and every
-other workload's records that carry their features (transfer: a model trained on ResNet's
-convs ranks MobileNet's before it has measured any of them). The task scheduler gives the
-next batch to the task with the largest estimated share of the model's time (occurrences x
-best cost so far) that is still improving: the gradient idea of Ansor's scheduler, in its
-simplest form.
+batch: the configs the cost model ranks fastest among a bounded set of unvisited candidates
+(SCORED_PER_ROUND: neighbours, one knob apart, of the best configs measured so far, and a
+random sample of the rest), the default point while it is unmeasured, and an epsilon share
+picked at random so the model keeps seeing the space it ranks badly. The model is
+retrained on every ok measurement of the session and of the log for this target: this
+model's tasks, and every other workload's records that carry their features, in the log or
+in read-only logs given as `transfer_from` (transfer: a model trained on ResNet's convs ranks
+MobileNet's before it has measured any of them). The task scheduler gives the next batch to
+the task with the largest estimated share of the model's time (occurrences x best cost so
+far) that is still improving: the gradient idea of Ansor's scheduler, in its simplest form.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ from compiler_core.schedule.primitives import apply
 from compiler_core.target import Target
 
 STALE_ROUNDS = 3  # batches without a 1% gain before a task stops asking for more
-SCORED_PER_ROUND = 32  # unvisited configs the cost model ranks per batch (a random sample)
+SCORED_PER_ROUND = 32  # unvisited configs the cost model ranks per batch
+# Of those, up to this share are neighbours (one knob changed) of the best configs measured so
+# far, the rest a random sample: good configs sit near good configs, and a sample of a space
+# of thousands rarely holds the few best.
+NEIGHBOUR_SHARE = 0.5
+NEIGHBOUR_PARENTS = 4
 IMPROVEMENT = 0.99
 
 
@@ -47,6 +53,9 @@ class TaskState:
     trials: int = 0
     stale: int = 0
     history: list[float] = dataclasses.field(default_factory=list)  # best GFLOP/s after each trial
+    measured: list[tuple[float, dict]] = dataclasses.field(
+        default_factory=list
+    )  # ok: (cost, config)
     features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
@@ -77,6 +86,7 @@ class Tuner:
         seed: int = 0,
         model: CostModel | None = None,
         compiler_version: str = "",
+        transfer_from: Sequence[TuningLog] = (),
     ):
         self.target, self.log, self.measurer = target, log, measurer
         # The measured device's key: a GPU target's OpenCL twin has its own.
@@ -89,12 +99,13 @@ class Tuner:
         self.trials = 0
         for state in self.states:
             self._resume(state)
-        self._transfer = self._transfer_rows()
+        self._transfer = self._transfer_rows(transfer_from)
         self._retrain()  # warm: from the log alone, before this session measures anything
 
     @property
     def transfer(self) -> tuple[int, int]:
-        """(records, workloads) of other workloads that the cost model learns from."""
+        """(records, workloads) the cost model learns from before this session measures:
+        other workloads' in the log, any workload's in the logs to learn from."""
         _, _, groups = self._transfer
         return len(groups), len(set(groups))
 
@@ -112,6 +123,8 @@ class Tuner:
     def _account(self, state: TaskState, config: dict, cost: float) -> None:
         if config == state.task.default_config() and math.isfinite(cost):
             state.default_cost = cost
+        if math.isfinite(cost):
+            state.measured.append((cost, dict(config)))
         if cost < state.best_cost:
             state.best_cost, state.best_config = cost, dict(config)
         state.history.append(state.best_gflops)
@@ -162,25 +175,42 @@ class Tuner:
         return max(live, key=lambda s: s.task.weight * s.best_cost)
 
     def _choose(self, state: TaskState, count: int) -> list[dict]:
-        unvisited = state.unvisited()
+        """The next batch: the configs the model ranks fastest among the candidates (when it
+        is trained), the default point while it is unmeasured, and an epsilon share at
+        random (all of the batch before the model has anything to learn from)."""
         default = state.task.default_config()
-        chosen = [default] if config_key(default) not in state.visited else []
-        rest = [c for c in unvisited if c != default]
-        explore = max(1, round(count * self.epsilon)) if self.model.trained else count
+        default_due = config_key(default) not in state.visited
+        rest = [c for c in state.unvisited() if c != default]
+        greedy: list[dict] = []
         if self.model.trained and rest:
-            # The model ranks a bounded sample: every candidate's features cost a schedule
-            # application (0.3 s for a Winograd conv's), and a space has thousands of points.
-            scored = rest
-            if len(rest) > SCORED_PER_ROUND:
-                scored = self.rng.sample(rest, SCORED_PER_ROUND)
-            scores = self.model.predict(np.stack([self._features(state, c) for c in scored]))
-            ranked = [scored[k] for k in np.argsort(-scores)]
-            greedy = ranked[: max(count - len(chosen) - explore, 0)]
-            chosen += greedy
-            rest = [c for c in rest if c not in greedy]
+            explore = max(1, round(count * self.epsilon))
+            candidates = self._candidates(state, rest)
+            scores = self.model.predict(np.stack([self._features(state, c) for c in candidates]))
+            ranked = [candidates[k] for k in np.argsort(-scores)]
+            greedy = ranked[: max(count - int(default_due) - explore, 0)]
+            picked = {config_key(c) for c in greedy}
+            rest = [c for c in rest if config_key(c) not in picked]
         self.rng.shuffle(rest)
+        # A trained model's first pick is measured first: the default's cost is only wanted
+        # as the baseline, in the same batch.
+        chosen = greedy[:1] + ([default] if default_due else []) + greedy[1:]
         chosen += rest[: count - len(chosen)]
         return chosen[:count]
+
+    def _candidates(self, state: TaskState, rest: list[dict]) -> list[dict]:
+        """What the model ranks this batch (a bounded number: every candidate's features
+        cost a schedule application, 0.3 s for a Winograd conv's): neighbours of the best
+        configs measured so far, then a random sample of the rest of the unvisited space."""
+        budget = SCORED_PER_ROUND
+        parents = [config for _, config in sorted(state.measured, key=lambda m: m[0])]
+        parents = parents[:NEIGHBOUR_PARENTS]
+        near = [c for c in rest if any(_one_knob_apart(c, p) for p in parents)]
+        self.rng.shuffle(near)
+        candidates = near[: int(budget * NEIGHBOUR_SHARE)]
+        taken = {config_key(c) for c in candidates}
+        others = [c for c in rest if config_key(c) not in taken]
+        candidates += self.rng.sample(others, min(budget - len(candidates), len(others)))
+        return candidates
 
     def _features(self, state: TaskState, config: dict) -> np.ndarray:
         key = config_key(config)
@@ -209,21 +239,33 @@ class Tuner:
             self.trials += 1
             self._account(state, record.config, record.cost)
 
-    def _transfer_rows(self) -> tuple[list[np.ndarray], list[float], list[str]]:
-        """(features, throughput, workload) of the log's ok records of other workloads on
-        this target that carry features of the layout `extract` gives."""
+    def _transfer_rows(
+        self, sources: Sequence[TuningLog]
+    ) -> tuple[list[np.ndarray], list[float], list[str]]:
+        """(features, throughput, workload) to learn from before measuring anything: the ok
+        records on this target, with features of the layout `extract` gives, of other
+        workloads in the session's log, and of every workload (this session's too) in the
+        read-only `sources`. (This session's records in its own log are trained on as they
+        are measured: `_retrain`.)"""
         own = {state.task.key for state in self.states}
+        seen = set()  # a record in two of the logs counts once
         rows, throughput, groups = [], [], []
-        for record in self.log.records(fingerprint=self.fingerprint):
-            if (
-                record.ok
-                and record.workload_key not in own
-                and record.feature_set == FEATURE_SET
-                and len(record.features) == FEATURE_COUNT
-            ):
-                rows.append(np.array(record.features, np.float32))
-                throughput.append(1.0 / record.cost)
-                groups.append(record.workload_key)
+        for log in (self.log, *sources):
+            for record in log.records(fingerprint=self.fingerprint):
+                identity = (record.workload_key, record.config_key, record.timestamp)
+                if identity in seen:
+                    continue
+                seen.add(identity)
+                if log is self.log and record.workload_key in own:
+                    continue
+                if (
+                    record.ok
+                    and record.feature_set == FEATURE_SET
+                    and len(record.features) == FEATURE_COUNT
+                ):
+                    rows.append(np.array(record.features, np.float32))
+                    throughput.append(1.0 / record.cost)
+                    groups.append(record.workload_key)
         return rows, throughput, groups
 
     def _retrain(self) -> None:
@@ -246,6 +288,11 @@ class Tuner:
         if not all(math.isfinite(c) for c in costs):
             return None
         return sum(s.task.weight * c for s, c in zip(self.states, costs, strict=True))
+
+
+def _one_knob_apart(a: dict, b: dict) -> bool:
+    """Configs of the same knobs (the same algorithm) that differ in exactly one."""
+    return a.keys() == b.keys() and sum(a[k] != b[k] for k in a) == 1
 
 
 def config_features(task: Task, config: dict) -> np.ndarray:

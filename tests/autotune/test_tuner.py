@@ -16,6 +16,7 @@ import pytest
 from onnx import helper
 
 import compiler_core
+from compiler_core.autotune import search
 from compiler_core.autotune.features import FEATURE_SET
 from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
@@ -172,6 +173,30 @@ def test_the_search_measures_distinct_configs_and_keeps_the_best(tmp_path, targe
     assert isinstance(records[0], TuningRecord)
 
 
+def test_the_model_ranks_neighbours_of_the_best_measured_configs(target, measurer, tmp_path):
+    """Half of what the model ranks each batch is one knob away from the best configs
+    measured so far; the rest is sampled from the whole unvisited space."""
+    (task,) = tasks_of(conv_model())[:1]
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer, seed=3)
+    (state,) = tuner.states
+    space = state.space
+    best = space[len(space) // 2]
+    state.measured = [(2.0, space[0]), (1.0, best)]
+    rest = [c for c in space if c not in (best, space[0])]
+    near = [
+        c for c in rest if search._one_knob_apart(c, best) or search._one_knob_apart(c, space[0])
+    ]
+    candidates = tuner._candidates(state, rest)
+    assert len(candidates) == min(search.SCORED_PER_ROUND, len(rest))
+    assert len({config_key(c) for c in candidates}) == len(candidates)
+    close = [c for c in candidates if c in near]
+    assert len(close) >= min(len(near), int(search.SCORED_PER_ROUND * search.NEIGHBOUR_SHARE))
+    assert search._one_knob_apart({"a": 1, "b": 2}, {"a": 1, "b": 3})
+    assert not search._one_knob_apart({"a": 1, "b": 2}, {"a": 2, "b": 3})
+    assert not search._one_knob_apart({"a": 1}, {"a": 1, "b": 3})
+
+
 def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, measurer):
     """Transfer: records of another workload carry their candidates' features, so a tuner of
     a new workload trains its model on them before measuring anything; its first batch after
@@ -185,6 +210,11 @@ def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, meas
         assert warm.model.trained and warm.transfer == (len(learned), 1)
         cold_log = FileLog(tmp_path / "cold.jsonl")
         assert not Tuner([dense], target, cold_log, measurer).model.trained
+        # ... or from a log given to learn from, which it only reads.
+        source_lines = (tmp_path / "t.jsonl").read_text()
+        from_source = Tuner([dense], target, cold_log, measurer, transfer_from=[log])
+        assert from_source.model.trained and from_source.transfer == (len(learned), 1)
+        assert (tmp_path / "t.jsonl").read_text() == source_lines
         # Features of another layout (an older extractor) are not learned from.
         stale = FileLog(tmp_path / "stale.jsonl")
         stale.extend(dataclasses.replace(r, feature_set="old") for r in learned)
@@ -224,6 +254,14 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
         capture_output=True,
     )  # fmt: skip
     assert bad_size.returncode == 2 and b"expected e.g. 2M" in bad_size.stderr
+    missing = tmp_path / "missing.jsonl"
+    no_source = subprocess.run(
+        [kiln, "tune", str(model), "--trials", "1", "--log", str(log), "--transfer-from",
+         str(missing)],
+        capture_output=True,
+    )  # fmt: skip
+    assert no_source.returncode == 2 and b"no such tuning log" in no_source.stderr
+    assert not missing.exists() and len(log.read_text().splitlines()) == 5
     # --trials 0 measures nothing: the curves of what the log holds
     curves = tmp_path / "curves.png"
     plot = subprocess.run(
