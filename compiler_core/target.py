@@ -14,6 +14,18 @@ class TargetError(UserError):
     pass
 
 
+# L1 data cache associativity by CPU: 48 KB and 12 ways on Zen 5 and Intel's cores since Ice
+# Lake; 32 KB and 8 ways on Zen 2-4 and Skylake (the default: the smaller guess errs safe).
+L1_WAYS = {
+    cpu: 12
+    for cpu in (
+        "znver5", "icelake-client", "icelake-server", "tigerlake", "alderlake", "raptorlake",
+        "meteorlake", "sapphirerapids", "emeraldrapids", "graniterapids",
+    )
+}  # fmt: skip
+DEFAULT_L1_WAYS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     kind: str  # "llvm" (CPU) or "cuda"
@@ -44,6 +56,11 @@ class Target:
     def vector_lanes(self) -> int:
         """float32 lanes of one vector register: 16 (zmm) with AVX-512, else 8 (ymm)."""
         return self.vector_bits // 32
+
+    @property
+    def l1_ways(self) -> int:
+        """Associativity of the L1 data cache (how many lines of one set it keeps)."""
+        return L1_WAYS.get(self.cpu, DEFAULT_L1_WAYS)
 
     @property
     def vector_registers(self) -> int:

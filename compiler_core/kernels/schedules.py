@@ -452,30 +452,33 @@ NCHWC_CHUNK_MIN_BYTES = 4 * 1024
 
 def gemm_row_tile(rows: int, target: Target, vectors: int = 2, row_bytes: int = 0) -> int:
     """Rows per register tile (mr) of a GEMM whose column tile is `vectors` vectors wide: all
-    the rows when they fit one tile, else the tile between 2/3 of the register budget and all
-    of it that pads the rows least (49 rows: 5 x 10 tiles with AVX2, not 7 or 1 x 49), the
-    larger on a tie. The kernel builder pads the rows to a multiple of it.
+    the rows when they fit one tile, else the tile between half the register budget and all
+    of it that pads the rows least (49 rows: 5 x 10 tiles with AVX2, 7 x 7 with AVX-512),
+    the larger on a tie: every such tile keeps both FMA pipes busy, and padded rows are work
+    thrown away (512 rows on Zen 5: 8-row tiles 504 GFLOP/s, 12-row ones, 4 rows padded,
+    454). The kernel builder pads the rows to a multiple of it.
 
     `row_bytes`, A's row stride when the tile reads A's rows along K: rows whose starts lie a
-    multiple of 4 KB apart share an L1 set (8 ways), and the tile streams every one of its
-    rows at once: at most L1_ALIASED_ROWS of them may share a set, or they evict each other
-    every step (64x1024 @ 1024x1024: 13-row tiles ran at 190 GFLOP/s, 5-row tiles at 227,
-    Zen 4)."""
+    multiple of 4 KB apart share an L1 set, and the tile streams every one of its rows at
+    once: at most the set's ways less L1_PANEL_WAYS of them may share a set, or they evict
+    each other every step (64x1024 @ 1024x1024: 13-row tiles ran at 190 GFLOP/s, 5-row
+    tiles at 227 on Zen 4's 8 ways; 1024^3 on Zen 5's 12 ways: 4-row tiles 445 GFLOP/s,
+    8-row ones 510)."""
     most = max(max_accumulators(target) // vectors, 1)
     if row_bytes:
         sets = L1_SET_STRIDE // math.gcd(row_bytes, L1_SET_STRIDE)  # distinct set offsets
-        most = min(most, L1_ALIASED_ROWS * sets)
+        most = min(most, (target.l1_ways - L1_PANEL_WAYS) * sets)
     if rows <= most:
         return max(rows, 1)
-    candidates = range(most, max(-(-2 * most // 3), 1) - 1, -1)
+    candidates = range(most, max(-(-most // 2), 1) - 1, -1)
     return min(candidates, key=lambda m: (-(-rows // m) * m, -m))
 
 
 # L1 data cache: addresses a multiple of L1_SET_STRIDE apart share a set (32 KB and 8 ways on
-# Zen 3/4, 48 KB and 12 ways on Intel's recent cores: 4 KB either way). A tile may stream
-# L1_ALIASED_ROWS rows of A that share a set, leaving two ways for B's panel.
+# Zen 3/4, 48 KB and 12 ways on Zen 5 and Intel's recent cores: 4 KB either way). A tile may
+# stream as many rows of A that share a set as the ways (Target.l1_ways) less two for B's panel.
 L1_SET_STRIDE = 4096
-L1_ALIASED_ROWS = 6
+L1_PANEL_WAYS = 2
 
 
 def _gemm_rows(mm: StageInfo) -> tuple[int, bool]:

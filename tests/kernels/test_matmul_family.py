@@ -249,20 +249,29 @@ def test_a_few_columns_are_one_panel_of_whole_vectors():
 
 def test_row_tiles_of_a_with_rows_4kb_apart_fit_one_l1_set():
     """A's rows 4 KB apart (K = 1024 floats) share an L1 set: a register tile streams at most
-    six of them (49 rows of 3136 bytes keep the register budget's tile)."""
-    target = parse_target("llvm -mcpu=znver4")  # 32 zmm registers
-    assert gemm_row_tile(64, target) == 13  # 14 accumulator rows at most: 5 tiles of 13
+    the set's ways less two of them (6 on Zen 4, 10 on Zen 5); rows of 3136 bytes keep the
+    register budget's tile. Within the budget, the tile that pads the rows least."""
+    # 32 zmm registers, L1 8 ways (named with its features: on another host, a CPU's name
+    # alone keeps none of them)
+    target = parse_target("llvm -mcpu=znver4 -mattr=+avx512f")
+    assert gemm_row_tile(64, target) == 8  # 14 accumulator rows at most: 8 x 8, no padding
+    assert gemm_row_tile(65, target) == 13  # 5 x 13
+    assert gemm_row_tile(49, target) == 7
     assert gemm_row_tile(64, target, row_bytes=4096) == 4
     assert gemm_row_tile(64, target, row_bytes=8192) == 4
     assert gemm_row_tile(64, target, row_bytes=2048) == 8  # two set offsets: 12 rows at most
-    assert gemm_row_tile(64, target, row_bytes=3136) == 13
+    assert gemm_row_tile(65, target, row_bytes=3136) == 13
+    zen5 = parse_target("llvm -mcpu=znver5 -mattr=+avx512f")  # L1 12 ways
+    assert zen5.l1_ways == 12 and target.l1_ways == 8
+    assert gemm_row_tile(1024, zen5, row_bytes=4096) == 8
+    assert gemm_row_tile(1024, target, row_bytes=4096) == 4
     model = make_model(
         [helper.make_node("Gemm", ["x", "w"], ["y"])],
         [("x", FLOAT, [64, 1024])],
         [("y", FLOAT, [64, 256])],
         {"w": RNG.standard_normal((1024, 256)).astype(np.float32)},
     )
-    (task,) = extract_tasks(optimize(import_model(model)))
+    (task,) = extract_tasks(optimize(import_model(model), target=target), target)
     assert task.default_config()["mr"] == 4
 
 
