@@ -24,6 +24,13 @@ L1_WAYS = {
     )
 }  # fmt: skip
 DEFAULT_L1_WAYS = 8
+# Cores that run a 512-bit FMA at the rate of a 256-bit one (two FMA pipes of full width):
+# Zen 5 and Intel's server cores. Zen 4 splits it in two passes, Intel's client cores fuse
+# their two 256-bit pipes into one: there 16 lanes cost what 8 lanes do twice.
+FULL_WIDTH_512 = frozenset(
+    {"znver5", "skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
+     "sapphirerapids", "emeraldrapids", "graniterapids"}
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,14 @@ class Target:
     def l1_ways(self) -> int:
         """Associativity of the L1 data cache (how many lines of one set it keeps)."""
         return L1_WAYS.get(self.cpu, DEFAULT_L1_WAYS)
+
+    @property
+    def fma_lanes(self) -> int:
+        """float32 lanes an FMA handles at the full rate: a vector register's on a core with
+        full-width pipes, else 8 (a ymm register)."""
+        if self.is_gpu or self.vector_lanes <= 8:
+            return self.vector_lanes
+        return self.vector_lanes if self.cpu in FULL_WIDTH_512 else 8
 
     @property
     def vector_registers(self) -> int:

@@ -36,7 +36,9 @@ def pipeline(target: Target) -> tuple[tuple[str, Pass], ...]:
     if target.is_gpu:
         layout: Pass = _keep_layout
     else:
-        layout = functools.partial(transform_layout.run, lanes=target.vector_lanes)
+        layout = functools.partial(
+            transform_layout.run, lanes=target.vector_lanes, fma_lanes=target.fma_lanes
+        )
     return tuple((name, layout if run is transform_layout.run else run) for name, run in PIPELINE)
 
 

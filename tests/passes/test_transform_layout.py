@@ -13,7 +13,7 @@ from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.ops.layout import block_of, to_blocked, to_plain
 from compiler_core.passes import transform_layout
 from compiler_core.passes.pipeline import optimize
-from compiler_core.target import host_target
+from compiler_core.target import host_target, parse_target
 from tests.conftest import FLOAT, INT64, make_model, shared_model
 from tests.passes.test_passes import assert_same_function, rand
 
@@ -70,6 +70,24 @@ def test_chain_stays_blocked_with_one_transform_at_the_end():
     ]
     assert transforms[0].outputs == ("y",)
     assert_same_function(before, after)
+
+
+def test_24_channels_take_padded_16_lane_blocks_where_16_lane_fmas_run_at_full_rate():
+    """Zen 5 (and Intel's server cores) run a 16-lane FMA at the rate of an 8-lane one: 24
+    channels are cheaper as two blocks of 16 (8 lanes of padding) than as three of 8; on Zen
+    4, which splits a 16-lane FMA in two passes, three blocks of 8 are."""
+    before = before_layout(chain_model())
+    assert transform_layout.block_cost(24, 16, 16) < transform_layout.block_cost(24, 8, 16)
+    assert transform_layout.block_cost(24, 8, 8) < transform_layout.block_cost(24, 16, 8)
+    wide = transform_layout.run(before, lanes=16, fma_lanes=16)
+    assert layouts(wide)[-1] == ("project", "NCHW16c", "NCHW16c")
+    assert_same_function(before, wide)
+    split = transform_layout.run(before, lanes=16, fma_lanes=8)
+    assert layouts(split)[-1] == ("project", "NCHW16c", "NCHW8c")
+    zen5 = parse_target("llvm -mcpu=znver5 -mattr=+avx512f")
+    zen4 = parse_target("llvm -mcpu=znver4 -mattr=+avx512f")
+    avx2 = parse_target("llvm -mcpu=znver3 -mattr=+avx2,+fma")
+    assert (zen5.fma_lanes, zen4.fma_lanes, avx2.fma_lanes) == (16, 8, 8)
 
 
 def test_per_channel_constant_is_blocked_at_build_time():
