@@ -6,8 +6,9 @@
 Both sessions are the tuner as `kiln tune` runs it (real measurements, the same trial budget
 and seed), each on a fresh log of its own; the warm one also learns from `--source` (read
 only: `Tuner(transfer_from=...)`, `kiln tune --transfer-from`), which must hold records of
-this machine with their features (a log tuned here by a Kiln that records them). Cold and
-warm alternate per seed.
+this machine with their features (a log tuned here by a Kiln that records them). The two
+sessions run side by side, a batch of one then a batch of the other, so that both measure on
+the same machine: a shared one drifts by several percent over the minutes a session takes.
 
 Quality after t trials: the tuned kernels' estimated time in one model run, L(t) = sum over
 tasks of occurrences x the best cost measured so far (a task not reached yet counts at its
@@ -21,6 +22,7 @@ Issue 9 asks the warm session to get there in at most half the cold one's trials
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -42,30 +44,41 @@ GOAL = 0.95
 SETTLE_SECONDS = 2.0
 
 
-def tune_session(tasks: list[Task], trials: int, seed: int, sources: list[Path]) -> list:
-    """Measure `trials` candidates of `tasks` from a fresh log; the session's records in the
-    order they were measured."""
+def tune_sessions(tasks: list[Task], trials: int, seed: int, source: Path) -> dict[str, list]:
+    """Tune `tasks` twice from fresh logs, cold and warm (learning from `source` first),
+    alternating batches so that both see the same machine (a shared one drifts by several
+    percent over minutes); each session's records in the order they were measured."""
     target = host_target()
-    with (
-        tempfile.TemporaryDirectory(prefix="kiln-transfer-") as tmp,
-        Measurer(target) as measurer,
-        FileLog(Path(tmp) / "log.jsonl") as log,
-    ):
-        learn_from = [FileLog(path) for path in sources]
-        tuner = Tuner(tasks, target, log, measurer, seed=seed,
-                      compiler_version=COMPILER_VERSION, transfer_from=learn_from)  # fmt: skip
-        records, workloads = tuner.transfer
-        if sources and not records:
-            raise SystemExit(f"{sources}: no records with features for this machine")
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-transfer-")))
+        tuners = {}
+        for kind, sources in (("cold", []), ("warm", [FileLog(source)])):
+            measurer = stack.enter_context(Measurer(target))
+            log = stack.enter_context(FileLog(tmp / f"{kind}.jsonl"))
+            tuners[kind] = Tuner(
+                tasks, target, log, measurer, seed=seed,
+                compiler_version=COMPILER_VERSION, transfer_from=sources,
+            )  # fmt: skip
+        records, workloads = tuners["warm"].transfer
+        if not records:
+            raise SystemExit(f"{source}: no records with features for this machine")
+        print(f"  seed {seed}: warm learns first from {records} records of {workloads} workloads")
         started = time.monotonic()
-        tuner.run(trials=trials)
+        while any(t.trials < trials for t in tuners.values()):
+            progressed = False
+            for tuner in tuners.values():
+                before = tuner.trials
+                if before < trials:
+                    tuner.run(trials=min(tuner.batch, trials - before))
+                progressed |= tuner.trials > before
+            if not progressed:
+                break  # every task of both sessions has converged
         print(
-            f"  {'warm' if sources else 'cold'} seed {seed}: {tuner.trials} trials in "
-            f"{time.monotonic() - started:.0f} s (learned first from {records} records "
-            f"of {workloads} workloads)",
+            f"  seed {seed}: cold {tuners['cold'].trials}, warm {tuners['warm'].trials} trials "
+            f"in {time.monotonic() - started:.0f} s",
             flush=True,
         )
-        return log.records()
+        return {kind: tuner.log.records() for kind, tuner in tuners.items()}
 
 
 def latency_curve(tasks: list[Task], records: list[TuningRecord]) -> list[float]:
@@ -105,12 +118,9 @@ def main() -> None:
     print(f"CPU: {cpu_name()}; {args.model}: {len(tasks)} tasks, {args.trials} trials a session")
     curves = {"cold": [], "warm": []}
     for seed in range(args.seeds):
-        for kind in ("cold", "warm"):
-            time.sleep(SETTLE_SECONDS)
-            sources = [args.source] if kind == "warm" else []
-            curves[kind].append(
-                latency_curve(tasks, tune_session(tasks, args.trials, seed, sources))
-            )
+        time.sleep(SETTLE_SECONDS)
+        for kind, records in tune_sessions(tasks, args.trials, seed, args.source).items():
+            curves[kind].append(latency_curve(tasks, records))
     report = {"cpu": cpu_name(), "model": args.model, "source": str(args.source), "seeds": []}
     for seed in range(args.seeds):
         cold, warm = curves["cold"][seed], curves["warm"][seed]

@@ -104,7 +104,7 @@ class JobTuning:
     """The job's side: tune what nobody holds, report progress, wait for the rest."""
 
     def __init__(self, run: JobRun, tasks: dict, tuning_log, measurer, settings):
-        self.run_, self.tasks, self.log = run, tasks, tuning_log
+        self.job_run, self.tasks, self.log = run, tasks, tuning_log
         self.measurer, self.settings = measurer, settings
         self.ledger: Ledger = run.ledger
         self.job_id = run.job["id"]
@@ -112,7 +112,7 @@ class JobTuning:
 
     def run(self) -> None:
         while True:
-            self.run_.check()
+            self.job_run.check()
             entries = self.ledger.tuning_tasks(self.job_id)
             self.report(entries)
             if all(e["status"] in TUNING_ENDED for e in entries):
@@ -128,7 +128,7 @@ class JobTuning:
                     self.tasks[key],
                     self.log,
                     self.measurer,
-                    owner=self.run_.owner,
+                    owner=self.job_run.owner,
                     on_batch=self.report,
                 )
             else:
@@ -146,7 +146,7 @@ class JobTuning:
     def report(self, entries: list[dict] | None = None) -> None:
         """A `tuning` event for every workload whose trials or status changed since the last
         report, and the job's progress: k/n workloads ended, the estimated model latency."""
-        self.run_.check()
+        self.job_run.check()
         entries = entries if entries is not None else self.ledger.tuning_tasks(self.job_id)
         done = sum(1 for e in entries if e["status"] in TUNING_ENDED)
         estimate = estimated_latency(entries)
@@ -158,7 +158,7 @@ class JobTuning:
             if self._reported.get(entry["key"], (0, "pending")) == seen:
                 continue
             self._reported[entry["key"]] = seen
-            self.run_.event(
+            self.job_run.event(
                 "tuning",
                 task=entry["index"],
                 workload=entry["workload"],
