@@ -364,6 +364,30 @@ class Ledger:
 
         return self.backend.update("tuning", f"{job_id}/{key}", change)
 
+    def give_spare(self, job_id: str, trials: int = 0, seconds: float = 0.0) -> None:
+        """Return budget a workload did not use (its search converged first) to the job."""
+
+        def change(job: dict) -> dict | None:
+            spare = job.get("tuning_spare") or {"trials": 0, "seconds": 0.0}
+            return {**job, "tuning_spare": {"trials": spare["trials"] + trials,
+                                            "seconds": spare["seconds"] + seconds}}  # fmt: skip
+
+        self.backend.update("job", job_id, change)
+
+    def take_spare(self, job_id: str) -> tuple[int, float]:
+        """Take all of a job's spare tuning budget (trials, seconds) for one workload."""
+        taken = {}
+
+        def change(job: dict) -> dict | None:
+            spare = job.get("tuning_spare") or {}
+            taken.update(spare)
+            if not spare.get("trials") and not spare.get("seconds"):
+                return None
+            return {**job, "tuning_spare": {"trials": 0, "seconds": 0.0}}
+
+        self.backend.update("job", job_id, change)
+        return int(taken.get("trials", 0)), float(taken.get("seconds", 0.0))
+
     # --- artifacts and deployments ----------------------------------------------------------
 
     def grant_artifact(self, tenant: str, digest: str) -> None:

@@ -1,7 +1,8 @@
 """A compile job's tuning, fanned out: one Celery task per workload, on the job's queue.
 
 In its tuning stage a job records its workloads in the ledger, each with its share of the
-budget (its estimated share of the model's time: occurrences x FLOPs), sends one
+budget (its estimated share of the model's time: occurrences x FLOPs; what a workload whose
+search converged early leaves goes to the next one claimed), sends one
 `kiln.tune_workload` message per workload to its own queue (so a tuned GPU job's workloads
 reach GPU workers only), and then works through them as well: it claims a pending workload
 and tunes it itself, or waits for those other workers hold. A claim is an atomic update of
@@ -48,12 +49,18 @@ TASK_CACHE_SIZE = 2
 
 
 def budget_shares(tasks, trials: int | None, seconds: float | None) -> list[dict]:
-    """Each task's ledger entry: its share of `trials` (largest remainders: the shares add up
-    to the budget) or of `seconds`, in proportion to occurrences x FLOPs."""
+    """Each task's ledger entry: its share of `trials` or of `seconds`, in proportion to
+    occurrences x FLOPs. Every task gets a trial (its first measurement is what the estimated
+    latency needs) when the trials allow; the rest go by largest remainders, so that the
+    shares add up to the budget. A time share is never zero: a task's first batch runs."""
     weights = [task.weight * task.flops for task in tasks]
     total = sum(weights) or 1.0
     fractions = [w / total for w in weights]
-    trial_shares = _largest_remainders(trials, fractions) if trials else [None] * len(tasks)
+    trial_shares: list = [None] * len(tasks)
+    if trials:
+        first = 1 if trials >= len(tasks) else 0
+        rest = _largest_remainders(trials - first * len(tasks), fractions)
+        trial_shares = [first + share for share in rest]
     entries = []
     for index, (task, fraction, share) in enumerate(
         zip(tasks, fractions, trial_shares, strict=True)
@@ -61,7 +68,7 @@ def budget_shares(tasks, trials: int | None, seconds: float | None) -> list[dict
         entries.append({
             "key": task.key, "index": index, "workload": task.workload,
             "weight": task.weight, "flops": task.flops, "trials_budget": share,
-            "seconds_budget": round(seconds * fraction, 3) if seconds else None,
+            "seconds_budget": seconds * fraction if seconds else None,
         })  # fmt: skip
     return entries
 
@@ -209,6 +216,7 @@ def tune_workload(
     entry = ledger.claim_tuning_task(job_id, key, owner, lease)
     if entry is None:
         return None
+    entry = _with_spare(ledger, job_id, key, owner, entry)
     trials_left = None
     if entry["trials_budget"] is not None:
         trials_left = max(entry["trials_budget"] - entry["trials"], 0)
@@ -232,11 +240,15 @@ def tune_workload(
         with _renewing(ledger, job_id, key, owner, settings.heartbeat_seconds):
             tuner = Tuner([task], measurer.target, tuning_log, measurer,
                           compiler_version=compiler_version())  # fmt: skip
-            if trials_left != 0 and seconds_left != 0.0:
+            if trials_left != 0 and (seconds_left is None or seconds_left > 0):
                 tuner.run(trials=trials_left, time_budget=seconds_left, progress=progress)
         final = _state_fields(tuner.states[0], entry["trials"])
         final["seconds"] = round(spent + time.monotonic() - started, 3)
         ended = ledger.update_tuning_task(job_id, key, owner, status="done", **final)
+        if ended is not None:  # what the converged search left, for the workloads to come
+            unused_trials = trials_left - tuner.states[0].trials if trials_left else 0
+            unused_seconds = seconds_left - (time.monotonic() - started) if seconds_left else 0
+            ledger.give_spare(job_id, max(unused_trials, 0), max(unused_seconds, 0.0))
     except JobStopped:
         raise
     except Exception as err:  # noqa: BLE001 - recorded on the workload; the job goes on
@@ -246,6 +258,20 @@ def tune_workload(
     if on_batch is not None:
         on_batch()
     return ended
+
+
+def _with_spare(ledger: Ledger, job_id: str, key: str, owner: str, entry: dict) -> dict:
+    """The entry with the job's spare budget (what workloads that converged early left)
+    added to its own."""
+    trials, seconds = ledger.take_spare(job_id)
+    if not trials and not seconds:
+        return entry
+    budgets = {}
+    if entry["trials_budget"] is not None:
+        budgets["trials_budget"] = entry["trials_budget"] + trials
+    if entry["seconds_budget"] is not None:
+        budgets["seconds_budget"] = entry["seconds_budget"] + seconds
+    return ledger.update_tuning_task(job_id, key, owner, **budgets) or entry
 
 
 def _state_fields(state, trials_before: int) -> dict:

@@ -16,6 +16,7 @@ import string
 import numpy as np
 
 from compiler_core.graph.ir import Node
+from compiler_core.graph.ops.layout import block_cost
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp, unflatten
@@ -84,7 +85,7 @@ def _conv(ctx: KernelContext, node: Node):
     has_bias = len(node.inputs) > 2 and node.inputs[2]
 
     depthwise = cg == 1 and mg == 1
-    block, rows = _plain_conv_block(mg, group, ctx.target.vector_lanes)
+    block, rows = _plain_conv_block(mg, group, ctx.target.vector_lanes, ctx.target.fma_lanes)
     packed = ctx.is_constant(node.inputs[1]) and block > 0 and not depthwise
     if packed:
         weights = ctx.constant(node.inputs[1])
@@ -223,15 +224,18 @@ def _conv_im2col(ctx: KernelContext, node: Node):
     return [compute(out.shape, result, ctx.stage_name(node))]
 
 
-def _plain_conv_block(per_group: int, group: int, lanes: int) -> tuple[int, int]:
+def _plain_conv_block(
+    per_group: int, group: int, lanes: int, fma_lanes: int = 8
+) -> tuple[int, int]:
     """(channel block, output channels padded to whole blocks) of a plain-layout conv. An
     ungrouped conv with a vector's worth of channels takes a full vector (`lanes`) or 8 lanes,
-    whichever pads least (ties: the larger), its filters padded with zeros to whole blocks:
-    58 channels compute 64, 116 compute 120, cropped by the epilogue (a block of 4 that
-    divides 116 ran 1.45x ORT, half a ymm per FMA). Grouped convs take a block that divides
-    a group's channels, or none (0)."""
+    whichever takes the fewest FMA cycles (`block_cost`; ties: the larger), its filters padded
+    with zeros to whole blocks: 58 channels compute 64, 116 compute 120 (128 where a 16-lane
+    FMA costs one 8-lane one), cropped by the epilogue (a block of 4 that divides 116 ran
+    1.45x ORT, half a ymm per FMA). Grouped convs take a block that divides a group's
+    channels, or none (0)."""
     if group == 1 and per_group >= 8:
-        block = min((lanes, 8), key=lambda b: (-(-per_group // b) * b, -b))
+        block = min((lanes, 8), key=lambda b: (block_cost(per_group, b, fma_lanes), -b))
         return block, -(-per_group // block) * block
     block = next((b for b in (lanes, 8, 4) if per_group % b == 0), 0)
     return block, per_group * group

@@ -33,7 +33,13 @@ from __future__ import annotations
 
 from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
-from compiler_core.graph.ops.layout import PLAIN, SPATIAL, blocked_layout, blocks_for, to_blocked
+from compiler_core.graph.ops.layout import (
+    PLAIN,
+    SPATIAL,
+    block_cost,
+    blocked_layout,
+    to_blocked,
+)
 from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.nn import im2col_conv
@@ -58,15 +64,6 @@ def block_sizes(lanes: int) -> tuple[int, ...]:
     """Channel blocks to try, largest first: one vector register of float32, else 8 lanes (a
     ymm register) when the channels allow no more."""
     return tuple(sorted({lanes, 8}, reverse=True))
-
-
-def block_cost(channels: int, block: int, fma_lanes: int) -> int:
-    """Cycles of FMAs per pixel and input channel of a conv with `channels` outputs in blocks
-    of `block`: a vector instruction per block (the padding lanes computed too), each taking
-    as many passes as it has `fma_lanes` groups. 24 channels: 3 blocks of 8 on Zen 4 (where
-    16 lanes take two passes), 2 blocks of 16 on Zen 5 (one pass: 8-lane blocks ran the
-    1x1 convs of MobileNetV2's 24-channel layers at half its rate)."""
-    return blocks_for(channels, block) * -(-block // fma_lanes)
 
 
 class _Rewriter:

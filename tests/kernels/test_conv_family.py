@@ -331,6 +331,16 @@ def test_plain_conv_blocks(channels, group, lanes, expected):
     assert _plain_conv_block(channels, group, lanes) == expected
 
 
+def test_plain_conv_blocks_where_16_lane_fmas_run_at_full_rate():
+    """116 channels: 15 blocks of 8 (120) where a 16-lane FMA takes two passes, 8 blocks of
+    16 (128) where it takes one."""
+    from compiler_core.kernels.nn import _plain_conv_block
+
+    assert _plain_conv_block(116, 1, 16, fma_lanes=8) == (8, 120)
+    assert _plain_conv_block(116, 1, 16, fma_lanes=16) == (16, 128)
+    assert _plain_conv_block(6, 2, 16, fma_lanes=16) == (0, 12)
+
+
 @pytest.mark.parametrize("width", [4, 16, 20, 56])
 def test_layout_transform_between_padded_blocks(width):
     """37 channels in 8-blocks (3 padding lanes) -> 16-blocks (11) -> plain, natively; rows

@@ -53,6 +53,15 @@ def blocks_for(channels: int, block: int) -> int:
     return -(-channels // block)
 
 
+def block_cost(channels: int, block: int, fma_lanes: int) -> int:
+    """Cycles of FMAs per pixel and input channel of a conv with `channels` outputs in blocks
+    of `block`: a vector instruction per block (the padding lanes computed too), each taking
+    as many passes as it has `fma_lanes` groups. 24 channels: 3 blocks of 8 on Zen 4 (where
+    16 lanes take two passes), 2 blocks of 16 on Zen 5 (one pass: 8-lane blocks ran the
+    1x1 convs of MobileNetV2's 24-channel layers at half its rate)."""
+    return blocks_for(channels, block) * -(-block // fma_lanes)
+
+
 def blocked_shape(shape, block: int) -> tuple[int, ...]:
     """The [N, C, *spatial] shape in NCHW[block]c (C rounded up to whole blocks)."""
     if not block:
