@@ -53,9 +53,8 @@ class TaskState:
     trials: int = 0
     stale: int = 0
     history: list[float] = dataclasses.field(default_factory=list)  # best GFLOP/s after each trial
-    measured: list[tuple[float, dict]] = dataclasses.field(
-        default_factory=list
-    )  # ok: (cost, config)
+    # (cost, config) of every ok measurement: the best ones' neighbours are ranked first
+    measured: list[tuple[float, dict]] = dataclasses.field(default_factory=list)
     features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
