@@ -145,7 +145,7 @@ class Tuner:
             if state is None:
                 break
             before = state.best_cost
-            measured = self.step(state, int(min(self.batch, limit - spent)))
+            measured = self.step(state, int(min(self._batch_for(state), limit - spent)))
             if not measured:
                 state.stale = STALE_ROUNDS
                 continue
@@ -154,6 +154,14 @@ class Tuner:
             state.stale = 0 if improved or not math.isfinite(before) else state.stale + 1
             if progress is not None:
                 progress(self, state)
+
+    def _batch_for(self, state: TaskState) -> int:
+        """A task's first batch is half a batch once the model is trained (its top picks, the
+        default and one at random): a model of many tasks is covered sooner, and the next
+        batches go where the gains are."""
+        if state.trials == 0 and self.model.trained:
+            return max(self.batch // 2, 2)
+        return self.batch
 
     def step(self, state: TaskState, count: int) -> int:
         """One batch of `state`'s task: choose up to `count` unvisited configs, measure them,
