@@ -4,8 +4,9 @@ the same run on the same machine, with the machine's FMA peak as the yardstick.
     .venv/bin/python -m bench.run [--models resnet18 mlp] [--threads 2] [--tuned]
 
 `--tuned` also builds each model with its committed log (`bench/tuning/<model>.jsonl`, written
-by `kiln tune`) and compares that build with ONNX Runtime in the same run; a GEMM case with a
-log (`bench/tuning/gemm_MxKxN.jsonl`: `kiln tune` over `gemm_model`) is timed tuned too.
+by `kiln tune ... --export-best`: the best record of each workload and machine) and compares
+that build with ONNX Runtime in the same run; a GEMM case with a log
+(`bench/tuning/gemm_MxKxN.jsonl`: `kiln tune` over `gemm_model`) is timed tuned too.
 
 Latency is measured in alternating blocks (ten runs of one engine, then ten of the other, a
 0.3 s pause before each block and its first run dropped): ORT's worker threads keep spinning

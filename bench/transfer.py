@@ -1,12 +1,15 @@
 """Transfer, measured live: tuning a model cold, and warm from another model's tuning log.
 
-    .venv/bin/python -m bench.transfer [--model mobilenet_v2] [--source bench/tuning/resnet18.jsonl]
+    .venv/bin/kiln tune ../shared/models/resnet18.onnx --time-budget 12m \
+        --log build/tuning/resnet18.jsonl                      # once per machine: the source
+    .venv/bin/python -m bench.transfer [--model mobilenet_v2] [--source build/tuning/resnet18.jsonl]
                                        [--trials 320] [--seeds 1]
 
 Both sessions are the tuner as `kiln tune` runs it (real measurements, the same trial budget
 and seed), each on a fresh log of its own; the warm one also learns from `--source` (read
 only: `Tuner(transfer_from=...)`, `kiln tune --transfer-from`), which must hold records of
-this machine with their features (a log tuned here by a Kiln that records them). The two
+this machine with their features: a whole tuning session's log (the committed
+`bench/tuning/` logs keep only each workload's best record, too few to learn from). The two
 sessions run side by side, a batch of one then a batch of the other, so that both measure on
 the same machine: a shared one drifts by several percent over the minutes a session takes.
 
@@ -108,7 +111,7 @@ def trials_to(curve: list[float], bound: float) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mobilenet_v2")
-    parser.add_argument("--source", type=Path, default=Path("bench/tuning/resnet18.jsonl"))
+    parser.add_argument("--source", type=Path, default=Path("build/tuning/resnet18.jsonl"))
     parser.add_argument("--trials", type=int, default=320)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--json", type=Path, default=Path("bench/transfer.json"))

@@ -312,6 +312,10 @@ def cmd_tune(args) -> int:
             print(f"warm start: the cost model learns from {records} records of {workloads} "
                   f"other workloads in {where}")  # fmt: skip
         tuner.run(trials=args.trials, time_budget=budget, progress=progress)
+        if args.export_best:
+            total = len(log.records())
+            kept = log.export_jsonl(args.export_best, best_only=True)
+            print(f"best records: {kept} of {total} written to {args.export_best}")
         if args.plot:
             from compiler_core.autotune.plot import plot_curves
 
@@ -382,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LOG",
         help="another tuning log to learn from before measuring (read only; repeatable): its "
         "records of this target warm-start the cost model",
+    )
+    tune.add_argument(
+        "--export-best",
+        metavar="PATH",
+        help="afterwards, write the log's best record of each workload and machine to PATH "
+        "(all a build applies; PATH may be the log itself, to compact it)",
     )
     tune.add_argument("--batch", type=int, default=8, help="candidates per round")
     tune.add_argument("--threads", type=int, default=None, help="threads while measuring")

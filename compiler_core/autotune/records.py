@@ -277,13 +277,16 @@ class TuningLog(abc.ABC):
             self.extend(new)
         return len(new)
 
-    def export_jsonl(self, path: str | os.PathLike[str]) -> int:
-        """Write every record to a JSON-lines file; return how many.
+    def export_jsonl(self, path: str | os.PathLike[str], best_only: bool = False) -> int:
+        """Write every record (with `best_only`, the best ok record of each workload, machine
+        and template version: all a build applies) to a JSON-lines file; return how many.
 
         The file is written beside its destination and renamed into place, so a failure never
-        leaves a half-written export behind.
+        leaves a half-written export behind (and a log may be compacted onto its own path).
         """
         records = self.records()
+        if best_only:
+            records = best_records(records)
         _write_atomically(Path(path), "".join(record.to_json() + "\n" for record in records))
         return len(records)
 
@@ -347,6 +350,19 @@ class TuningLog(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def best_records(records: Iterable[TuningRecord]) -> list[TuningRecord]:
+    """The best ok record per (workload, fingerprint, template, template version), in log
+    order: what `TuningLog.best` answers for each, and nothing else."""
+    records = list(records)
+    best: dict[tuple, TuningRecord] = {}
+    for record in records:
+        group = (record.workload_key, record.fingerprint, record.template, record.template_version)
+        if math.isfinite(record.cost) and (group not in best or record.cost < best[group].cost):
+            best[group] = record
+    chosen = {id(record) for record in best.values()}
+    return [record for record in records if id(record) in chosen]
 
 
 def _parse_line(line: bytes, where: str) -> TuningRecord | None:

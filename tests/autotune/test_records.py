@@ -168,6 +168,28 @@ def test_best_is_the_lowest_median_among_ok_records_of_this_hardware(store):
     assert store.best(KEY, "1111111111111111") is None
 
 
+def test_a_best_only_export_keeps_what_best_answers_and_nothing_else(store, tmp_path):
+    """One record per workload, machine and template version, the one `best` returns; a
+    file log compacted onto its own path answers `best` as before."""
+    written = [
+        record(tile=1, costs=[5e-3]),
+        record(tile=3, costs=[4e-3]),
+        record(tile=4, error="wrong_answer", error_detail="max error 3.1"),
+        record(tile=5, costs=[1e-4], fingerprint=OTHER_FP),
+        record(tile=6, costs=[1e-4], template_version=2),
+        record(tile=7, error="timeout", workload_key="0" * 64),
+    ]
+    store.extend(written)
+    path = tmp_path / "best.jsonl"
+    assert store.export_jsonl(path, best_only=True) == 3
+    assert FileLog(path).records() == [written[1], written[3], written[4]]
+    log = FileLog(tmp_path / "log.jsonl")
+    log.extend(written)
+    assert log.export_jsonl(log.path, best_only=True) == 3
+    assert len(log.records()) == 3 and log.best(KEY, FP, "dense", 1) == written[1]
+    assert log.best(KEY, OTHER_FP) == written[3]
+
+
 def test_best_ignores_a_task_that_only_failed(store):
     store.append(record(tile=1, error="build_error", error_detail="llvm: bad IR"))
     assert store.best(KEY, FP) is None

@@ -270,6 +270,13 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
     )  # fmt: skip
     assert plot.returncode == 0, plot.stderr
     assert "resuming: 5 configs" in plot.stdout and len(log.read_text().splitlines()) == 5
+    # --export-best onto the log itself: the one best record of its one workload.
+    compact = subprocess.run(
+        [kiln, "tune", str(model), "--trials", "0", "--log", str(log), "--export-best", str(log)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert compact.returncode == 0, compact.stderr
+    assert "best records: 1 of 5" in compact.stdout and len(log.read_text().splitlines()) == 1
     assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and curves.stat().st_size > 10_000
 
 
