@@ -86,10 +86,9 @@ def tune_sessions(tasks: list[Task], trials: int, seed: int, source: Path) -> di
 
 def latency_curve(tasks: list[Task], records: list[TuningRecord]) -> list[float]:
     """L(t) for t = 0 .. len(records): estimated seconds of the tuned kernels per model run."""
+    default_of = {t.key: t.default_config() for t in tasks}
     defaults = {
-        r.workload_key: r.cost
-        for r in records
-        if r.ok and r.config == next(t for t in tasks if t.key == r.workload_key).default_config()
+        r.workload_key: r.cost for r in records if r.ok and r.config == default_of[r.workload_key]
     }
     missing = [t.workload for t in tasks if t.key not in defaults]
     if missing:

@@ -10,6 +10,7 @@ crash stores the very same blob.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -17,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tuner_workers.ledger import TERMINAL, Ledger
@@ -74,28 +75,37 @@ def _is_zombie(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] == "Z"
 
 
+@contextlib.contextmanager
+def renewing(renew: Callable[[], object], every: float, name: str) -> Iterator[None]:
+    """Call `renew` every `every` seconds on a thread of its own while the block runs, until
+    it answers falsy (the lease is no longer this owner's): a job's heartbeat, a tuning
+    workload's."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            if not renew():
+                return
+
+    thread = threading.Thread(target=beat, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 class JobRun:
     """One attempt at a job by one owner: stage bookkeeping, cancellation, heartbeats."""
 
     def __init__(self, ledger: Ledger, job: dict, owner: str, heartbeat_seconds: float):
         self.ledger, self.job, self.owner = ledger, job, owner
         self.heartbeat_seconds = heartbeat_seconds
-        self._stop = threading.Event()
 
-    @contextlib.contextmanager
-    def heartbeating(self) -> Iterator[None]:
-        thread = threading.Thread(target=self._beat, name="kiln-heartbeat", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            self._stop.set()
-            thread.join()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_seconds):
-            if not self.ledger.heartbeat(self.job["id"], self.owner):
-                return
+    def heartbeating(self) -> contextlib.AbstractContextManager[None]:
+        renew = functools.partial(self.ledger.heartbeat, self.job["id"], self.owner)
+        return renewing(renew, self.heartbeat_seconds, "kiln-heartbeat")
 
     def check(self) -> None:
         """Stop here if the job was cancelled or taken over by another worker."""

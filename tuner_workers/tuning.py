@@ -21,13 +21,12 @@ so a host runs one (`worker_concurrency` 1) per device.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from tuner_workers.ledger import TERMINAL, TUNING_ENDED, Ledger
 from tuner_workers.service import (
@@ -36,6 +35,7 @@ from tuner_workers.service import (
     compiler_version,
     owner_is_dead,
     process_owner,
+    renewing,
 )
 
 log = logging.getLogger("kiln.worker")
@@ -153,10 +153,12 @@ class JobTuning:
     def report(self, entries: list[dict] | None = None) -> None:
         """A `tuning` event for every workload whose trials or status changed since the last
         report, and the job's progress: k/n workloads ended, the estimated model latency."""
+        from compiler_core.autotune.search import estimated_time
+
         self.job_run.check()
         entries = entries if entries is not None else self.ledger.tuning_tasks(self.job_id)
         done = sum(1 for e in entries if e["status"] in TUNING_ENDED)
-        estimate = estimated_latency(entries)
+        estimate = estimated_time((e["weight"], e.get("best_cost")) for e in entries)
         estimated_ms = None if estimate is None else round(estimate * 1000, 4)
         progress = {"tasks_done": done, "tasks_total": len(entries), "estimated_ms": estimated_ms}
         self.ledger.update_job(self.job_id, progress=progress)
@@ -178,15 +180,6 @@ class JobTuning:
                 estimated_ms=estimated_ms,
                 **({"error": entry["error"]} if entry.get("error") else {}),
             )
-
-
-def estimated_latency(entries: list[dict]) -> float | None:
-    """Seconds of the tuned workloads in one model run (occurrences x best cost), once every
-    workload has a measurement (a partial sum would grow as workloads are reached)."""
-    costs = [entry.get("best_cost") for entry in entries]
-    if not entries or any(c is None for c in costs):
-        return None
-    return sum(e["weight"] * c for e, c in zip(entries, costs, strict=True))
 
 
 def tune_workload(
@@ -237,7 +230,9 @@ def tune_workload(
 
     log.info("job %s: tuning %s (%s)", job_id, entry["workload"], owner)
     try:
-        with _renewing(ledger, job_id, key, owner, settings.heartbeat_seconds):
+        # A batch of Winograd candidates takes longer than a lease: renew it meanwhile.
+        renew = functools.partial(ledger.update_tuning_task, job_id, key, owner)
+        with renewing(renew, settings.heartbeat_seconds, "kiln-tuning-lease"):
             tuner = Tuner([task], measurer.target, tuning_log, measurer,
                           compiler_version=compiler_version())  # fmt: skip
             if trials_left != 0 and (seconds_left is None or seconds_left > 0):
@@ -286,26 +281,6 @@ def _state_fields(state, trials_before: int) -> dict:
 def _job_ended(ledger: Ledger, job_id: str) -> bool:
     job = ledger.get_job(job_id)
     return job is None or job["status"] in TERMINAL
-
-
-@contextlib.contextmanager
-def _renewing(ledger: Ledger, job_id: str, key: str, owner: str, every: float) -> Iterator[None]:
-    """Renew the lease on a workload while a batch runs (a batch of Winograd candidates
-    takes longer than a lease)."""
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(every):
-            if ledger.update_tuning_task(job_id, key, owner) is None:
-                return
-
-    thread = threading.Thread(target=beat, name="kiln-tuning-lease", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 # --- a worker's side: a tune_workload message ---------------------------------------------

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -289,12 +289,20 @@ class Tuner:
     # --- what the session found ---------------------------------------------------------
 
     def estimated_latency(self) -> float | None:
-        """Seconds of the tuned tasks in one model run (occurrences x best cost), once every
-        task has a measurement; None before (a partial sum would grow as tasks are reached)."""
-        costs = [min(s.best_cost, s.default_cost) for s in self.states]
-        if not all(math.isfinite(c) for c in costs):
-            return None
-        return sum(s.task.weight * c for s, c in zip(self.states, costs, strict=True))
+        """Seconds of the tuned tasks in one model run: see `estimated_time`."""
+        return estimated_time(
+            (s.task.weight, min(s.best_cost, s.default_cost)) for s in self.states
+        )
+
+
+def estimated_time(tasks: Iterable[tuple[int, float | None]]) -> float | None:
+    """Seconds of tuned tasks in one model run, from (occurrences, best cost) per task, once
+    every task has a measurement; None before (a partial sum would grow as tasks are
+    reached), or for no tasks."""
+    tasks = list(tasks)
+    if not tasks or not all(cost is not None and math.isfinite(cost) for _, cost in tasks):
+        return None
+    return sum(weight * cost for weight, cost in tasks)
 
 
 def _one_knob_apart(a: dict, b: dict) -> bool:
