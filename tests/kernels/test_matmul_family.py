@@ -279,14 +279,15 @@ def test_ragged_columns_are_whole_tiles_and_a_narrow_tail_not_padding():
     """ViT's Q.K^T, 197 columns of an activation B: the GEMM reads B where it lies (no
     packing pass, no padded columns) in six tiles of 32 and one of 8 that ends at column 196
     (it overlaps the sixth by 3 columns); a constant B's panels are padded to 200 columns
-    instead, and its tail tile starts at 192."""
+    instead, and its tail tile starts at 192 (AVX-512: 16-lane vectors, so tiles of 32)."""
+    target = parse_target("llvm -mcpu=znver4 -mattr=+avx512f")
     model, _ = matmul_model([12, 29, 64], [12, 64, 197])
-    (task,) = extract_tasks(optimize(import_model(model)))
+    (task,) = extract_tasks(optimize(import_model(model)), target)
     anchor, config = task.tunable.anchor, task.tunable.default_config()
     assert anchor.shape[-1] == 197 and config["pack"] == 0 and config["nr"] == 32
     assert SplitOverlap(anchor.loop(2), 32, 8) in task.tunable.records(config)
     model, _ = matmul_model([29, 64], [64, 197], b_constant=True)
-    (task,) = extract_tasks(optimize(import_model(model)))
+    (task,) = extract_tasks(optimize(import_model(model)), target)
     anchor, config = task.tunable.anchor, task.tunable.default_config()
     assert anchor.shape[-1] == 200
     assert SplitOverlap(anchor.loop(1), 32, 8) in task.tunable.records(config)
