@@ -374,7 +374,7 @@ def tuning_summary(request: Request, tenant: Tenant, platform: PlatformDep):
             record.fingerprint,
             {"fingerprint": record.fingerprint, "target": record.target, "trials": 0, "errors": 0},
         )
-        target["trials"] += 1
+        target["trials"] += 0 if record.retimed else 1  # a re-timing is not a trial
         target["errors"] += 0 if record.ok else 1
     for workload in workloads.values():
         for target in workload["targets"].values():

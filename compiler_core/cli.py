@@ -311,7 +311,9 @@ def cmd_tune(args) -> int:
             where = "the logs" if sources else "the log"
             print(f"warm start: the cost model learns from {records} records of {workloads} "
                   f"other workloads in {where}")  # fmt: skip
-        tuner.run(trials=args.trials, time_budget=budget, progress=progress)
+        tuner.run(trials=args.trials, time_budget=budget, progress=progress, retime=True)
+        if tuner.retimings:
+            print(f"re-timed each task's best configs and default: {tuner.retimings} runs")
         if args.export_best:
             total = len(log.records())
             kept = log.export_jsonl(args.export_best, best_only=True)

@@ -236,7 +236,7 @@ def tune_workload(
             tuner = Tuner([task], measurer.target, tuning_log, measurer,
                           compiler_version=compiler_version())  # fmt: skip
             if trials_left != 0 and (seconds_left is None or seconds_left > 0):
-                tuner.run(trials=trials_left, time_budget=seconds_left, progress=progress)
+                tuner.run(trials_left, seconds_left, progress, retime=True)
         final = _state_fields(tuner.states[0], entry["trials"])
         final["seconds"] = round(spent + time.monotonic() - started, 3)
         ended = ledger.update_tuning_task(job_id, key, owner, status="done", **final)

@@ -133,6 +133,10 @@ class TuningRecord:
     # (transfer), without the workload's program at hand. Empty in older records.
     features: tuple[float, ...] = ()
     feature_set: str = ""
+    # A repeat of a config measured before, taken when the search ended (`Tuner.retime`): the
+    # few best configs and the default timed again side by side, so a config first timed in
+    # a noisy minute is not judged by that minute alone. Not a trial of the search.
+    retimed: bool = False
 
     def __post_init__(self) -> None:
         for name in STRING_FIELDS:
@@ -155,6 +159,8 @@ class TuningRecord:
         object.__setattr__(self, "config", _check_config(self.config))
         object.__setattr__(self, "costs", _check_costs(self.costs, self.error))
         object.__setattr__(self, "features", _finite_numbers(self.features, "features"))
+        if not isinstance(self.retimed, bool):
+            raise RecordError(f"retimed must be true or false, got {self.retimed!r}")
 
     @property
     def ok(self) -> bool:
@@ -185,6 +191,8 @@ class TuningRecord:
         fields["features"] = list(self.features)
         if not self.features:  # a record without them reads and writes as before they existed
             del fields["features"], fields["feature_set"]
+        if not self.retimed:  # likewise a search's own measurement
+            del fields["retimed"]
         return fields
 
     def to_json(self) -> str:

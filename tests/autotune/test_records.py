@@ -106,6 +106,13 @@ def test_features_round_trip_and_a_record_without_them_writes_as_before():
         record(features=[1.0, float("inf")])
 
 
+def test_a_retimed_record_says_so_and_a_search_record_writes_as_before():
+    retimed = record(retimed=True)
+    assert TuningRecord.from_json(retimed.to_json()) == retimed
+    assert "retimed" not in record().to_dict()
+    assert not TuningRecord.from_json(record().to_json()).retimed
+
+
 def test_failed_record_ranks_last_and_serialises_without_inf():
     failed = record(error="timeout", error_detail="killed after 10 s")
     assert failed.cost == math.inf and failed.gflops == 0.0
@@ -132,6 +139,7 @@ def test_config_key_is_canonical():
         (json.dumps({**record().to_dict(), "config": {"tile": 1.5}}), "tile"),
         (json.dumps({**record().to_dict(), "costs": [float("nan")]}), "NaN"),
         (json.dumps({**record().to_dict(), "error": "run_error"}), "carries no costs"),
+        (json.dumps({**record().to_dict(), "retimed": "yes"}), "retimed must be true or false"),
     ],
 )
 def test_from_json_names_the_problem(line, problem):

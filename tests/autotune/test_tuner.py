@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -137,6 +138,50 @@ def test_a_session_resumes_from_its_log_without_measuring_again(tmp_path, target
     assert len(records) == 12 and len(set(keys)) == 12  # nothing measured twice
 
 
+def test_the_best_configs_and_the_default_are_timed_again_after_the_search(
+    tmp_path, target, measurer
+):
+    """A default timed in a busy second (its record 20x slow) is timed again with the three
+    best configs, in rounds, when the search ends: the task then counts it at its real speed.
+    Re-timings are records of their own, not trials, and a task re-timed since its last
+    search measurement (in this session or in the log) is not re-timed again."""
+    (task,) = tasks_of(dense_model())
+    with FileLog(tmp_path / "quiet.jsonl") as log:
+        Tuner([task], target, log, measurer, batch=4).run(trials=8)
+        measured = log.records()
+    default = task.default_config()
+    noisy = tmp_path / "noisy.jsonl"
+    with FileLog(noisy) as log:
+        for r in measured:
+            slowed = dataclasses.replace(r, costs=tuple(c * 20 for c in r.costs))
+            log.append(slowed if r.config == default else r)
+        tuner = Tuner([task], target, log, measurer)
+        (state,) = tuner.states
+        slow_default = state.default_cost
+        taken = tuner.retime()
+        retimed = [r for r in log.records() if r.retimed]
+    assert taken == len(retimed) == search.RETIME_ROUNDS * (search.RETIME_TOP + 1)
+    assert sum(r.config == default for r in retimed) == search.RETIME_ROUNDS
+    assert state.default_cost < slow_default / 5
+    assert state.retimed and state.trials == 0 and tuner.trials == 0
+    assert tuner.retime() == 0
+    with FileLog(noisy) as log:
+        assert Tuner([task], target, log, measurer).retime() == 0
+
+
+def test_a_run_that_retimes_leaves_time_for_it_within_its_budget(tmp_path, target, measurer):
+    (task,) = tasks_of(conv_model())[:1]
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer, batch=4)
+        started = time.monotonic()
+        tuner.run(time_budget=3.0, retime=True)
+        spent = time.monotonic() - started
+        records = log.records()
+    assert any(r.retimed for r in records) and tuner.states[0].retimed
+    assert tuner.trials == sum(not r.retimed for r in records)
+    assert spent < 3.0 + 2.0  # the re-timing was planned inside the budget (one batch late)
+
+
 def test_builds_apply_the_best_valid_record_only(tmp_path, target, measurer):
     model = dense_model()
     (task,) = tasks_of(model)
@@ -241,7 +286,10 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert tune.returncode == 0, tune.stderr
-    assert "1 tuning tasks" in tune.stdout and len(log.read_text().splitlines()) == 5
+    records = FileLog(log).records()
+    retimings = sum(r.retimed for r in records)
+    assert "1 tuning tasks" in tune.stdout and len(records) - retimings == 5
+    assert f"best configs and default: {retimings} runs" in tune.stdout
     build = subprocess.run(
         [kiln, "compile", str(model), "--tuning", str(log), "-o", str(tmp_path / "m.kiln")],
         capture_output=True, text=True,
@@ -261,7 +309,7 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
         capture_output=True,
     )  # fmt: skip
     assert no_source.returncode == 2 and b"no such tuning log" in no_source.stderr
-    assert not missing.exists() and len(log.read_text().splitlines()) == 5
+    assert not missing.exists() and len(log.read_text().splitlines()) == len(records)
     # --trials 0 measures nothing: the curves of what the log holds
     curves = tmp_path / "curves.png"
     plot = subprocess.run(
@@ -269,14 +317,16 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert plot.returncode == 0, plot.stderr
-    assert "resuming: 5 configs" in plot.stdout and len(log.read_text().splitlines()) == 5
+    assert "resuming: 5 configs" in plot.stdout  # ... and re-timed already: nothing more
+    assert len(log.read_text().splitlines()) == len(records)
     # --export-best onto the log itself: the one best record of its one workload.
     compact = subprocess.run(
         [kiln, "tune", str(model), "--trials", "0", "--log", str(log), "--export-best", str(log)],
         capture_output=True, text=True,
     )  # fmt: skip
     assert compact.returncode == 0, compact.stderr
-    assert "best records: 1 of 5" in compact.stdout and len(log.read_text().splitlines()) == 1
+    assert f"best records: 1 of {len(records)}" in compact.stdout
+    assert len(log.read_text().splitlines()) == 1
     assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and curves.stat().st_size > 10_000
 
 

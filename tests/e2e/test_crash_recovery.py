@@ -122,8 +122,8 @@ def test_a_tuning_job_killed_mid_search_resumes_without_losing_or_repeating_reco
         job = platform.wait_job(job_id, seconds=300)
         assert job["status"] == "done", job
         records = tuning_log.records()
-        pairs = [(r.workload_key, r.config_key) for r in records]
-        assert len(pairs) == len(set(pairs))  # no config measured twice
+        pairs = [(r.workload_key, r.config_key) for r in records if not r.retimed]
+        assert len(pairs) == len(set(pairs))  # no config measured twice by the search
         assert len(records) > measured_before  # the search went on after the restart
         manifest = platform.client.get(f"/v1/artifacts/{job['artifact']}/manifest").json()
         assert manifest["verification"]["passed"]

@@ -73,7 +73,8 @@ def test_a_job_fans_its_workloads_out_and_tunes_those_nobody_took(platform):  # 
     }
     assert job["progress"]["estimated_ms"] > 0
     records = FileLog(settings.data_dir / "tuning.jsonl").records()
-    assert len(records) == 12 and {r.workload_key for r in records} == {e["key"] for e in entries}
+    assert sum(not r.retimed for r in records) == 12  # the trials; then the best re-timed
+    assert {r.workload_key for r in records} == {e["key"] for e in entries}
     events = [e for _, e in ledger.read_events("c-1") if e["type"] == "tuning"]
     assert {e["status"] for e in events if e["trials"] > 0} >= {"done"}
 
