@@ -186,6 +186,30 @@ class Measurer:
             built.unlink(missing_ok=True)
         return results
 
+    def measure_rounds(
+        self, task: Task, configs: Sequence[dict], rounds: int
+    ) -> list[list[Result]]:
+        """Each config built once and run `rounds` times, the configs taking turns (in
+        reverse order every other round): a comparison of a few configs that a busy second
+        cannot tilt. Per config, its results in the order they were taken."""
+        reference = self._reference(task)
+        built = self.build(task, configs)
+        results: list[list[Result]] = [[] for _ in configs]
+        try:
+            for round_ in range(rounds):
+                order = range(len(configs))
+                for k in reversed(order) if round_ % 2 else order:
+                    if isinstance(built[k], Result):
+                        results[k].append(built[k])
+                    else:
+                        lowered = task.lowered_for(configs[k])
+                        results[k].append(self._run(lowered, built[k], reference=reference))
+        finally:
+            for path in built:
+                if not isinstance(path, Result):
+                    path.unlink(missing_ok=True)
+        return results
+
     def _reference(self, task: Task) -> Path | None:
         """The default schedule's outputs on the runner's inputs: what every candidate of the
         task must reproduce (of any algorithm: see `_input_file`)."""

@@ -184,9 +184,12 @@ class Tuner:
         taken = 0
         for state in self.states:
             configs = [] if state.retimed else self._retime_configs(state)
-            for round_ in range(RETIME_ROUNDS if len(configs) > 1 else 0):
-                self._measure(state, configs[:: -1 if round_ % 2 else 1], retimed=True)
-                taken += len(configs)
+            if len(configs) > 1:
+                rounds = self.measurer.measure_rounds(state.task, configs, RETIME_ROUNDS)
+                for round_ in range(RETIME_ROUNDS):
+                    results = [results[round_] for results in rounds]
+                    self._record(state, configs, results, retimed=True)
+                taken += RETIME_ROUNDS * len(configs)
             state.retimed = True
         self.retimings += taken
         return taken
@@ -288,12 +291,18 @@ class Tuner:
             state.features[key] = config_features(state.task, config)
         return state.features[key]
 
-    def _measure(self, state: TaskState, configs: list[dict], retimed: bool = False) -> None:
-        task = state.task
+    def _measure(self, state: TaskState, configs: list[dict]) -> None:
         started = time.monotonic()
-        results = self.measurer.measure(task, configs)
+        results = self.measurer.measure(state.task, configs)
         count, seconds = self._measuring
         self._measuring = (count + len(configs), seconds + time.monotonic() - started)
+        self._record(state, configs, results)
+
+    def _record(
+        self, state: TaskState, configs: list[dict], results: list[Result], retimed=False
+    ) -> None:
+        """Log one measurement of each config and account for it."""
+        task = state.task
         records = [
             measured_record(
                 task,
