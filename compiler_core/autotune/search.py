@@ -185,9 +185,9 @@ class Tuner:
         for state in self.states:
             configs = [] if state.retimed else self._retime_configs(state)
             if len(configs) > 1:
-                rounds = self.measurer.measure_rounds(state.task, configs, RETIME_ROUNDS)
+                per_config = self.measurer.measure_rounds(state.task, configs, RETIME_ROUNDS)
                 for round_ in range(RETIME_ROUNDS):
-                    results = [results[round_] for results in rounds]
+                    results = [taken_by[round_] for taken_by in per_config]
                     self._record(state, configs, results, retimed=True)
                 taken += RETIME_ROUNDS * len(configs)
             state.retimed = True
@@ -209,8 +209,9 @@ class Tuner:
         return chosen
 
     def _retime_seconds(self, planned: bool) -> float:
-        """Seconds the re-timing still to come will take, at this session's measuring rate
-        (0 when none is planned or nothing has been measured yet)."""
+        """Seconds the re-timing still to come may take, at this session's measuring rate
+        (an overestimate: a re-timing builds each config once for all its rounds); 0 when
+        none is planned or nothing has been measured yet."""
         configs, seconds = self._measuring
         if not planned or not configs:
             return 0.0
