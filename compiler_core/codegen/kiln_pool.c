@@ -123,6 +123,7 @@ static unsigned long wait_for_task(unsigned long seen) {
 static void *worker_main(void *arg) {
     int index = (int)(intptr_t)arg;  /* 1 .. started; the caller is 0 */
     unsigned long seen = atomic_load(&generation);
+    pthread_setname_np(pthread_self(), "kiln-pool"); /* what top -H and the tests see */
     leave_callers_cpu(); /* a new thread starts beside its creator, as a woken one does */
     for (;;) {
         seen = wait_for_task(seen);

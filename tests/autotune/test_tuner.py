@@ -141,7 +141,7 @@ def test_a_session_resumes_from_its_log_without_measuring_again(tmp_path, target
 def test_the_best_configs_and_the_default_are_timed_again_after_the_search(
     tmp_path, target, measurer
 ):
-    """A default timed in a busy second (its record 20x slow) is timed again with the three
+    """A default timed in a busy second (its record 1000x slow) is timed again with the three
     best configs, in rounds, when the search ends: the task then counts it at its real speed.
     Re-timings are records of their own, not trials, and a task re-timed since its last
     search measurement (in this session or in the log) is not re-timed again."""
@@ -153,7 +153,7 @@ def test_the_best_configs_and_the_default_are_timed_again_after_the_search(
     noisy = tmp_path / "noisy.jsonl"
     with FileLog(noisy) as log:
         for r in measured:
-            slowed = dataclasses.replace(r, costs=tuple(c * 20 for c in r.costs))
+            slowed = dataclasses.replace(r, costs=tuple(c * 1000 for c in r.costs))
             log.append(slowed if r.config == default else r)
         tuner = Tuner([task], target, log, measurer)
         (state,) = tuner.states
@@ -162,7 +162,7 @@ def test_the_best_configs_and_the_default_are_timed_again_after_the_search(
         retimed = [r for r in log.records() if r.retimed]
     assert taken == len(retimed) == search.RETIME_ROUNDS * (search.RETIME_TOP + 1)
     assert sum(r.config == default for r in retimed) == search.RETIME_ROUNDS
-    assert state.default_cost < slow_default / 5
+    assert state.default_cost < slow_default / 20  # a microsecond kernel: wide margins
     assert state.retimed and state.trials == 0 and tuner.trials == 0
     assert tuner.retime() == 0
     with FileLog(noisy) as log:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,7 +118,17 @@ def test_a_forked_child_starts_its_own_workers(library):
 
 
 def thread_count() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """The process's pool workers (named kiln-pool): threads other libraries start meanwhile
+    (another test's, in the same test process) do not count."""
+    names = (Path("/proc/self/task") / task / "comm" for task in os.listdir("/proc/self/task"))
+    return sum(1 for name in names if _comm(name) == "kiln-pool")
+
+
+def _comm(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:  # the thread ended meanwhile
+        return ""
 
 
 def test_libraries_loaded_later_run_on_the_first_ones_pool(library, tmp_path):
