@@ -15,12 +15,13 @@ class TargetError(UserError):
 
 
 # L1 data cache associativity by CPU: 48 KB and 12 ways on Zen 5 and Intel's cores since Ice
-# Lake; 32 KB and 8 ways on Zen 2-4 and Skylake (the default: the smaller guess errs safe).
+# Lake (Rocket Lake's is Ice Lake's core); 32 KB and 8 ways on Zen 2-4 and Skylake (the
+# default: the smaller guess errs safe).
 L1_WAYS = {
     cpu: 12
     for cpu in (
-        "znver5", "icelake-client", "icelake-server", "tigerlake", "alderlake", "raptorlake",
-        "meteorlake", "sapphirerapids", "emeraldrapids", "graniterapids",
+        "znver5", "icelake-client", "icelake-server", "tigerlake", "rocketlake", "alderlake",
+        "raptorlake", "meteorlake", "sapphirerapids", "emeraldrapids", "graniterapids",
     )
 }  # fmt: skip
 DEFAULT_L1_WAYS = 8
@@ -31,6 +32,11 @@ FULL_WIDTH_512 = frozenset(
     {"znver5", "skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
      "sapphirerapids", "emeraldrapids", "graniterapids"}
 )  # fmt: skip
+# AMX ships on Intel's server cores only (Sapphire Rapids on): a CPU with it has their two
+# full-width FMA pipes and 12-way L1 whatever model number it reports. A hypervisor may show
+# a server core under a client's (seen: KVM's model 167, which LLVM names rocketlake, on a
+# Xeon with 480 MB of L3 and AMX, running 512-bit FMAs at 64 FLOP per cycle).
+SERVER_ONLY_FEATURE = "+amx-tile"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,8 @@ class Target:
     @property
     def l1_ways(self) -> int:
         """Associativity of the L1 data cache (how many lines of one set it keeps)."""
+        if self._intel_server:
+            return 12
         return L1_WAYS.get(self.cpu, DEFAULT_L1_WAYS)
 
     @property
@@ -75,7 +83,12 @@ class Target:
         full-width pipes, else 8 (a ymm register)."""
         if self.is_gpu or self.vector_lanes <= 8:
             return self.vector_lanes
-        return self.vector_lanes if self.cpu in FULL_WIDTH_512 else 8
+        full_width = self.cpu in FULL_WIDTH_512 or self._intel_server
+        return self.vector_lanes if full_width else 8
+
+    @property
+    def _intel_server(self) -> bool:
+        return SERVER_ONLY_FEATURE in self.features.split(",")
 
     @property
     def vector_registers(self) -> int:

@@ -275,6 +275,34 @@ def test_row_tiles_of_a_with_rows_4kb_apart_fit_one_l1_set():
     assert task.default_config()["mr"] == 4
 
 
+def test_a_server_core_reported_under_a_client_name_gets_server_rates():
+    """KVM may report a Xeon (AMX, 512-bit FMAs at full rate) as model 167, which LLVM names
+    rocketlake: AMX, found only on Intel's server cores, tells it apart from a real Rocket
+    Lake (one fused 512-bit pipe), whose L1 has 12 ways all the same."""
+    server = parse_target("llvm -mcpu=rocketlake -mattr=+avx512f,+amx-tile")
+    client = parse_target("llvm -mcpu=rocketlake -mattr=+avx512f")
+    assert (server.fma_lanes, server.l1_ways) == (16, 12)
+    assert (client.fma_lanes, client.l1_ways) == (8, 12)
+    zen4 = parse_target("llvm -mcpu=znver4 -mattr=+avx512f")
+    assert (zen4.fma_lanes, zen4.l1_ways) == (8, 8)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "order"),
+    [
+        (1024, 1024, 1024, "ji"),  # B (4 MB) re-read per 8-row tile: stream A per panel
+        (3136, 576, 64, "ij"),  # an im2col conv: B (144 KB) stays in L2, A streams once
+        (128, 64, 1024, "ji"),  # more columns than rows
+        (256, 256, 256, "ij"),  # B (256 KB) stays in L2
+    ],
+)
+def test_the_default_tile_order_streams_the_operand_re_read_least(m, k, n, order):
+    target = parse_target("llvm -mcpu=znver4 -mattr=+avx512f")
+    model, _ = matmul_model([m, k], [k, n], b_constant=True)
+    (task,) = extract_tasks(optimize(import_model(model), target=target), target)
+    assert task.default_config()["order"] == order
+
+
 def test_ragged_columns_are_whole_tiles_and_a_narrow_tail_not_padding():
     """ViT's Q.K^T, 197 columns of an activation B: the GEMM reads B where it lies (no
     packing pass, no padded columns) in six tiles of 32 and one of 8 that ends at column 196
