@@ -34,10 +34,11 @@ from compiler_core.loop.ir import (
     Select,
     Stmt,
     Store,
+    Unary,
     Var,
     seq,
 )
-from compiler_core.loop.simplify import affine, bounds, max_value, simplify_stmt
+from compiler_core.loop.simplify import affine, bounds, max_value, simplify_expr, simplify_stmt
 from compiler_core.loop.transform import (
     find_loop,
     map_expr,
@@ -128,11 +129,17 @@ class CacheWrite:
     """Accumulate the part of `stage` computed inside `loop` in a local buffer (registers),
     and store it to memory once, after `loop`. The buffer is `{stage}{suffix}_local`, its fill
     and store loops `{stage}{suffix}_init{d}` and `_wb{d}`: a stage computed by two nests (a
-    GEMM's whole tiles and its tail tile) caches each under its own `suffix`."""
+    GEMM's whole tiles and its tail tile) caches each under its own `suffix`.
+
+    `accumulate`: the reduction also runs over loops outside `loop` (a GEMM's K blocks): each
+    visit starts from the partial sums the earlier ones stored (the initial value on the
+    first, its reload loops `_rl{d}`), so the stage's buffer holds partial sums until the
+    last. Without it such a loop is an error: the cache would hold a part of the sum only."""
 
     stage: str
     loop: str
     suffix: str = ""
+    accumulate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -736,8 +743,9 @@ def _shrunk(root: Stmt, nest: For, target: For, buffer: Buffer, local: Buffer, s
 
 def _without_reduction_init(loop: For, buffer: Buffer, inside: set[str], record):
     """Remove the reduction's guarded first-step store (`if k == 0: c[..] = init`) from
-    `loop`, returning the loop and the initial value; refuse when a reduction loop runs
-    outside `loop` (the local buffer would then hold partial sums only)."""
+    `loop`, returning the loop, the initial value and, when reduction loops run outside
+    `loop` (allowed by `record.accumulate` only), the condition of the first visit: the
+    guard with the loops inside at their first iteration."""
     guards = [
         s
         for s in walk_stmts(loop.body)
@@ -747,21 +755,26 @@ def _without_reduction_init(loop: For, buffer: Buffer, inside: set[str], record)
         and s.otherwise is None
     ]
     if not guards:
-        return loop, None
-    values = set()
+        return loop, None, None
+    values, firsts = set(), set()
     for guard in guards:
         names = {x.name for x in walk_exprs(guard.cond) if isinstance(x, Var)}
-        if not names <= inside:
+        if not names <= inside and not record.accumulate:
             outside = ", ".join(sorted(names - inside))
             raise ScheduleError(
                 f"{record}: reduction loop(s) {outside} run outside {record.loop!r}; cache the "
-                "write at a loop that holds the whole reduction"
+                "write at a loop that holds the whole reduction, or accumulate"
             )
         values.add(guard.then.value)
-    if len(values) != 1 or not isinstance(next(iter(values)), Const):
-        return loop, None
+        if not names <= inside:
+            at_start = {name: Const(0, INDEX) for name in names & inside}
+            firsts.add(simplify_expr(substitute(guard.cond, at_start)))
+    if len(values) != 1 or not isinstance(next(iter(values)), Const) or len(firsts) > 1:
+        if record.accumulate:
+            raise ScheduleError(f"{record}: the reduction must start from one constant")
+        return loop, None, None
     stripped = map_stmt(loop, stmt_fn=lambda s: Block(()) if s in guards else None)
-    return stripped, next(iter(values))
+    return stripped, next(iter(values)), next(iter(firsts), None)
 
 
 def _tile_dim_order(loop: For, buffer: Buffer) -> list[int]:
@@ -794,7 +807,7 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     ):
         raise ScheduleError(f"{r}: {name}_local exists; give this nest's cache its own suffix")
     local = Buffer(f"{name}_local", tuple(extents[d] for d in order), buffer.dtype, "local")
-    stripped, init_value = _without_reduction_init(target, buffer, set(inside), r)
+    stripped, init_value, first_visit = _without_reduction_init(target, buffer, set(inside), r)
     # Loops over a small tile are unrolled, so that its indices are constants and LLVM keeps
     # the whole tile in registers.
     tile_kind = ForKind.UNROLLED if local.size <= MAX_UNROLL else ForKind.SERIAL
@@ -813,25 +826,31 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
         return None
 
     computed = map_stmt(stripped, redirect_expr, redirect_stmt)
+    ranges = _enclosing_ranges(func, target)
+
+    def tile_nest(label: str, make: Callable[[tuple[Expr, ...], tuple[Expr, ...]], Stmt]):
+        """A nest over the local tile (loops `{name}_{label}{d}`) of `make(local index,
+        buffer index)`, guarded where the region runs past the buffer (cropped tiles)."""
+        tile = [Var(f"{name}_{label}{k}") for k in range(len(extents))]
+        index = tuple(Binary("add", starts[d], tile[order.index(d)]) for d in range(len(starts)))
+        body = make(tuple(tile), index)
+        for i, s, e, size in zip(index, starts, extents, buffer.shape, strict=True):
+            if _needs_guard(s, e, size, ranges):
+                body = IfThenElse(Binary("lt", i, Const(size, INDEX)), body)
+        for var, extent in reversed(list(zip(tile, local.shape, strict=True))):
+            body = For(var, extent, body, tile_kind)
+        return body
+
     if init_value is not None:  # the first reduction step's store, done once up front
         fill_vars = [Var(f"{name}_init{d}") for d in range(len(extents))]
         fill: Stmt = Store(local, tuple(fill_vars), init_value)
         for var, extent in reversed(list(zip(fill_vars, local.shape, strict=True))):
             fill = For(var, extent, fill, tile_kind)
+        if first_visit is not None:  # later visits add to the partial sums stored so far
+            reload = tile_nest("rl", lambda tile, index: Store(local, tile, Load(buffer, index)))
+            fill = seq(fill, IfThenElse(Unary("not", first_visit), reload))
         computed = seq(fill, computed)
-    copy_vars = [Var(f"{name}_wb{k}") for k in range(len(extents))]
-    index = tuple(Binary("add", starts[d], copy_vars[order.index(d)]) for d in range(len(starts)))
-    copy: Stmt = Store(buffer, index, Load(local, tuple(copy_vars)))
-    ranges = _enclosing_ranges(func, target)
-    guards = [
-        Binary("lt", i, Const(size, INDEX))
-        for i, s, e, size in zip(index, starts, extents, buffer.shape, strict=True)
-        if _needs_guard(s, e, size, ranges)
-    ]
-    for guard in guards:
-        copy = IfThenElse(guard, copy)
-    for var, extent in reversed(list(zip(copy_vars, local.shape, strict=True))):
-        copy = For(var, extent, copy, tile_kind)
+    copy = tile_nest("wb", lambda tile, index: Store(buffer, index, Load(local, tile)))
     new = Allocate(local, seq(computed, copy))
     return _with_body(func, replace_stmt(func.body, target, new))
 

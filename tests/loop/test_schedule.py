@@ -129,6 +129,35 @@ def test_cache_write_accumulates_in_a_local_buffer():
     assert any(b.scope == "local" and b.shape == (1, 4) for b in locals_)
 
 
+# K blocks: the reduction (5) split in blocks of 2 (a ragged last one) outside the cached loop.
+K_BLOCKS = [Split("c_i1", 4), Split("c_kk", 2)]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        [*K_BLOCKS, Reorder(("c_i0", "c_kk_o", "c_i1_o", "c_kk_i", "c_i1_i"))],
+        [*K_BLOCKS, Reorder(("c_kk_o", "c_i0", "c_i1_o", "c_kk_i", "c_i1_i"))],
+        [Split("c_i0", 4), *K_BLOCKS, Reorder(("c_i0_o", "c_kk_o", "c_i1_o", "c_kk_i"))],
+    ],
+    ids=["blocks_inside_rows", "blocks_outermost", "ragged_rows"],
+)
+def test_a_cache_accumulates_across_reduction_blocks_outside_its_loop(schedule):
+    """Each visit of the cached loop reloads the partial sums the earlier blocks stored
+    (the first starts from zero) and stores them back; the result is the whole sum."""
+    func = assert_schedule_keeps_meaning(
+        [*schedule, CacheWrite("c", "c_kk_i", accumulate=True), Vectorize("c_rl1")]
+    )
+    reloads = [s for s in walk_stmts(func.body) if isinstance(s, For) and s.var.name == "c_rl1"]
+    assert reloads and reloads[0].kind == ForKind.VECTORIZED
+
+
+def test_a_cache_inside_reduction_blocks_must_say_it_accumulates():
+    schedule = [*K_BLOCKS, Reorder(("c_i0", "c_kk_o", "c_i1_o", "c_kk_i", "c_i1_i"))]
+    with pytest.raises(ScheduleError, match="c_kk_o run outside 'c_kk_i'.*or accumulate"):
+        apply(BASE, [*schedule, CacheWrite("c", "c_kk_i")])
+
+
 @pytest.mark.parametrize(
     ("record", "message"),
     [
