@@ -158,7 +158,8 @@ class Tuner:
         deadline = time.monotonic() + time_budget if time_budget else math.inf
         limit = trials if trials is not None else math.inf
         spent = 0
-        while spent < limit and time.monotonic() + self._retime_seconds(retime) < deadline:
+        reserve = self._retime_seconds if retime else lambda: 0.0
+        while spent < limit and time.monotonic() + reserve() < deadline:
             state = self._next_task()
             if state is None:
                 break
@@ -208,12 +209,12 @@ class Tuner:
             chosen.append(default)
         return chosen
 
-    def _retime_seconds(self, planned: bool) -> float:
+    def _retime_seconds(self) -> float:
         """Seconds the re-timing still to come may take, at this session's measuring rate
-        (an overestimate: a re-timing builds each config once for all its rounds); 0 when
-        none is planned or nothing has been measured yet."""
+        (an overestimate: a re-timing builds each config once for all its rounds); 0 while
+        nothing has been measured."""
         configs, seconds = self._measuring
-        if not planned or not configs:
+        if not configs:
             return 0.0
         pending = sum(
             RETIME_ROUNDS * min(RETIME_TOP + 1, len({config_key(c) for _, c in s.measured}))

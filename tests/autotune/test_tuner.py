@@ -72,15 +72,47 @@ def tasks_of(model):
     return extract_tasks(optimize(import_model(model)))
 
 
+def pairwise_cover(space: list[dict]) -> list[dict]:
+    """Configs of `space` that between them hold every pair of knob values found together in
+    it (greedy: each pick covers the most pairs not yet covered), the first one first. Two
+    knobs that break only together still meet; a broken single value shows in every pick
+    that holds it."""
+
+    def pairs(config: dict) -> set:
+        items = sorted((k, repr(v)) for k, v in config.items())
+        return {(a, b) for i, a in enumerate(items) for b in items[i + 1 :]}
+
+    left = set().union(*(pairs(c) for c in space))
+    chosen = [space[0]]
+    left -= pairs(space[0])
+    while left:
+        best = max(space, key=lambda c: len(pairs(c) & left))
+        chosen.append(best)
+        left -= pairs(best)
+    return chosen
+
+
+def test_a_pairwise_cover_holds_every_pair_of_knob_values():
+    space = [{"a": a, "b": b, "c": c} for a in range(3) for b in range(3) for c in range(2)]
+    cover = pairwise_cover(space)
+    assert cover[0] == space[0] and len(cover) < len(space)
+    for x, y in (("a", "b"), ("a", "c"), ("b", "c")):
+        assert {(c[x], c[y]) for c in cover} == {(c[x], c[y]) for c in space}
+
+
 @pytest.mark.parametrize("model", [dense_model, conv_model], ids=["dense", "conv2d_nchwc"])
-def test_every_config_of_the_space_computes_the_reference_answer(model, measurer):
+def test_every_pair_of_knob_values_computes_the_reference_answer(model, measurer):
+    """Every pair of knob values of each template (and so every value) on a small workload:
+    the whole space measured took 89 s of the suite on an AVX2 host, its pairwise cover a
+    fraction of it."""
     tasks = tasks_of(model())
     assert tasks, "the model has a tunable group"
     for task in tasks:
         space = task.space()
         assert space[0] == task.default_config() and len(space) > 1
-        results = measurer.measure(task, space)
-        errors = [(c, r) for c, r in zip(space, results, strict=True) if r.error != "ok"]
+        configs = pairwise_cover(space)
+        results = measurer.measure(task, configs)
+        errors = [(c, r) for c, r in zip(configs, results, strict=True) if r.error != "ok"]
         assert not errors, errors[:3]
         assert all(r.costs and min(r.costs) > 0 for r in results)
 

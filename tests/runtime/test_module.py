@@ -28,10 +28,24 @@ def ort_run(path, feeds):
     return session.run(None, feeds)
 
 
+@pytest.fixture(scope="module")
+def shared_archive():
+    """The shared models' archives, each compiled once for this module's tests (resnet18's
+    compile is the longest in the suite)."""
+    archives = {}
+
+    def archive(name: str):
+        if name not in archives:
+            shapes = {"x": [2, 784]} if name == "mlp" else None
+            archives[name] = compiler_core.compile(str(shared_model(name)), shapes=shapes)
+        return archives[name]
+
+    return archive
+
+
 @pytest.mark.parametrize("name", ["mlp", "encoder4", "resnet18", "mobilenet_v2"])
-def test_native_module_matches_onnxruntime(name, tmp_path):
-    shapes = {"x": [2, 784]} if name == "mlp" else None
-    archive = compiler_core.compile(str(shared_model(name)), shapes=shapes)
+def test_native_module_matches_onnxruntime(name, tmp_path, shared_archive):
+    archive = shared_archive(name)
     assert archive.manifest["verification"]["passed"]
     module = load(archive.save(tmp_path / f"{name}.kiln"))
     rng = np.random.default_rng(1)
@@ -108,8 +122,8 @@ def test_profile_times_every_kernel_over_the_run_buffers(mlp_archive):
         module.profile({"x": x[:1]})
 
 
-def test_identical_kernels_share_one_function():
-    archive = compiler_core.compile(str(shared_model("resnet18")))
+def test_identical_kernels_share_one_function(shared_archive):
+    archive = shared_archive("resnet18")
     plan = json.loads(zipfile.ZipFile(io.BytesIO(archive.to_bytes())).read("plan.json"))
     symbols = [k["symbol"] for k in plan["kernels"]]
     assert len(set(symbols)) == archive.manifest["distinct_kernels"] < len(symbols)
