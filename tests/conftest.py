@@ -86,3 +86,23 @@ def loop_structure(func) -> tuple[int, list[int]]:
     stores = sum(isinstance(s, Store) for s in statements)
     loops = [s.extent for s in statements if isinstance(s, For) and s.var.name.endswith("_t")]
     return stores, loops
+
+
+def pairwise_cover(space: list[dict]) -> list[dict]:
+    """Configs of `space` that between them hold every pair of knob values found together in
+    it (greedy: each pick covers the most pairs not yet covered), the first one first. Two
+    knobs that break only together still meet; a broken single value shows in every pick
+    that holds it."""
+
+    def pairs(config: dict) -> set:
+        items = sorted((k, repr(v)) for k, v in config.items())
+        return {(a, b) for i, a in enumerate(items) for b in items[i + 1 :]}
+
+    left = set().union(*(pairs(c) for c in space))
+    chosen = [space[0]]
+    left -= pairs(space[0])
+    while left:
+        best = max(space, key=lambda c: len(pairs(c) & left))
+        chosen.append(best)
+        left -= pairs(best)
+    return chosen

@@ -209,7 +209,7 @@ def _frozen_array(array: np.ndarray) -> np.ndarray:
 def _array_digest(array: np.ndarray) -> str:
     h = hashlib.sha256()
     h.update(f"{array.dtype.name}{array.shape}".encode())
-    h.update(np.ascontiguousarray(array).tobytes())
+    h.update(np.ascontiguousarray(array).data)  # hashed in place, not copied to bytes
     return h.hexdigest()
 
 

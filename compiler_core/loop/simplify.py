@@ -233,13 +233,33 @@ def simplify_expr(e: Expr, ranges: Mapping[str, int] | None = None) -> Expr:
     return map_expr(e, node)
 
 
-def simplify_stmt(s: Stmt, ranges: Mapping[str, int] | None = None) -> Stmt:
-    """Simplify every expression, knowing each loop variable's range where it is bound."""
+def simplify_stmt(
+    s: Stmt, ranges: Mapping[str, int] | None = None, cache: dict | None = None
+) -> Stmt:
+    """Simplify every expression, knowing each loop variable's range where it is bound.
+
+    `cache`: results by (statement, the ranges around it), for a caller that simplifies one
+    function again and again as it changes (a schedule's records): a subtree a record left
+    alone, under the same loops, is not walked again. It holds each statement it keys by
+    identity, so no key outlives its statement."""
     ranges = dict(ranges or {})
     if isinstance(s, For):
         ranges[s.var.name] = s.extent
+    if cache is None:
+        return _simplify_children(s, ranges, None)
+    scope = frozenset(ranges.items())
+    hit = cache.get((id(s), scope))
+    if hit is None or hit[0] is not s:
+        simplified = _simplify_children(s, ranges, cache)
+        hit = cache[(id(s), scope)] = (s, simplified)
+        # The result is simplified as it stands: the next pass over it finds it so.
+        cache[(id(simplified), scope)] = (simplified, simplified)
+    return hit[1]
+
+
+def _simplify_children(s: Stmt, ranges: dict[str, int], cache: dict | None) -> Stmt:
     return s.with_children(
-        simplify_stmt(c, ranges) if isinstance(c, Stmt) else simplify_expr(c, ranges)
+        simplify_stmt(c, ranges, cache) if isinstance(c, Stmt) else simplify_expr(c, ranges)
         for c in s.children()
     )
 

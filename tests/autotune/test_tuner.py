@@ -29,7 +29,7 @@ from compiler_core.frontend.onnx import import_model
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import parse_target
-from tests.conftest import FLOAT, assert_close_to_scale, make_model
+from tests.conftest import FLOAT, assert_close_to_scale, make_model, pairwise_cover
 
 RNG = np.random.default_rng(0)
 W1 = RNG.standard_normal((64, 48)).astype(np.float32)
@@ -70,26 +70,6 @@ def measurer(target):
 
 def tasks_of(model):
     return extract_tasks(optimize(import_model(model)))
-
-
-def pairwise_cover(space: list[dict]) -> list[dict]:
-    """Configs of `space` that between them hold every pair of knob values found together in
-    it (greedy: each pick covers the most pairs not yet covered), the first one first. Two
-    knobs that break only together still meet; a broken single value shows in every pick
-    that holds it."""
-
-    def pairs(config: dict) -> set:
-        items = sorted((k, repr(v)) for k, v in config.items())
-        return {(a, b) for i, a in enumerate(items) for b in items[i + 1 :]}
-
-    left = set().union(*(pairs(c) for c in space))
-    chosen = [space[0]]
-    left -= pairs(space[0])
-    while left:
-        best = max(space, key=lambda c: len(pairs(c) & left))
-        chosen.append(best)
-        left -= pairs(best)
-    return chosen
 
 
 def test_a_pairwise_cover_holds_every_pair_of_knob_values():

@@ -273,3 +273,31 @@ def test_compute_at_shrinks_a_stage_read_only_inside_the_loop():
     allocated = {s.buffer.name: s.buffer for s in walk_stmts(func.body) if isinstance(s, Allocate)}
     assert allocated["e"].scope == "local" and allocated["e"].shape == (1, N)
     assert allocated["c"].scope == "local" and allocated["c"].shape == (1, N)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        TAIL_TILE,
+        [*K_BLOCKS, Reorder(("c_kk_o", "c_i0", "c_i1_o", "c_kk_i", "c_i1_i"))]
+        + [CacheWrite("c", "c_kk_i", accumulate=True), Vectorize("c_rl1"), Parallel("c_i0")],
+        [Split("c_i0", 4), Split("c_i1", 4), Reorder(("c_i0_o", "c_i1_o", "c_kk", "c_i0_i"))]
+        + [CacheWrite("c", "c_kk"), Unroll("c_i0_i"), ComputeInline("e"), Fuse("d_i0", "d_i1")],
+    ],
+    ids=["tail_tile", "k_blocks", "tiles"],
+)
+def test_the_simplifier_cache_changes_nothing_a_schedule_makes(schedule):
+    """`apply` simplifies through a cache of what the last record left simplified: the
+    function is the one an uncached replay makes, to the character."""
+    from compiler_core.loop.printer import format_func
+    from compiler_core.schedule.primitives import _replay
+
+    uncached = _replay(BASE, schedule, verify_each=True)
+    assert format_func(apply(BASE, schedule)) == format_func(uncached)
+
+
+def test_a_record_that_breaks_the_function_is_named_by_the_replay():
+    """The fast path verifies once at the end; a failure replays record by record so that
+    the error is the one the first bad record causes."""
+    with pytest.raises(ScheduleError, match="exceeds the extent"):
+        apply(BASE, [Split("c_i1", 4), Split("c_i0", 7), Vectorize("c_i1_i")])
