@@ -7,11 +7,15 @@ applied.
 
 from __future__ import annotations
 
+import logging
+
 from compiler_core.autotune.records import TuningLog, open_log
-from compiler_core.autotune.tasks import extract_tasks
+from compiler_core.autotune.tasks import Task, extract_tasks
 from compiler_core.graph.ir import Graph
 from compiler_core.schedule.primitives import Record
 from compiler_core.target import Target
+
+log_ = logging.getLogger(__name__)
 
 
 def tuned_schedules(
@@ -25,10 +29,9 @@ def tuned_schedules(
     fingerprint = fingerprint or target.fingerprint
     schedules, notes, choices = {}, {}, {}
     for task in extract_tasks(graph, target):
-        best = log.best(task.key, fingerprint, task.template, task.template_version)
+        best, records = _best_applicable(log, task, fingerprint)
         if best is None:
             continue
-        records = task.records(best.config)
         note = {
             "schedule": "tuned",
             "template": f"{task.template}/v{task.template_version}",
@@ -44,3 +47,16 @@ def tuned_schedules(
             if chosen:
                 choices[group] = chosen
     return schedules, notes, choices
+
+
+def _best_applicable(log: TuningLog, task: Task, fingerprint: str):
+    """The fastest record whose config the task's template takes, with its schedule (None,
+    None: none). A config the template refuses (a knob it no longer has, a value out of its
+    range) is skipped with a warning: a log written by another version of the template, or
+    edited by hand, must not fail the build."""
+    for record in log.ranked(task.key, fingerprint, task.template, task.template_version):
+        try:
+            return record, task.records(record.config)
+        except ValueError as err:
+            log_.warning("a tuning record of %s not applied: %s", task.workload, err)
+    return None, None

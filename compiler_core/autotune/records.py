@@ -340,6 +340,16 @@ class TuningLog(abc.ABC):
         config of another template version may name knobs that no longer mean the same.
         On equal cost the earlier record wins, so the answer is stable as the log grows.
         """
+        return next(iter(self.ranked(workload_key, fingerprint, template, template_version)), None)
+
+    def ranked(
+        self,
+        workload_key: str,
+        fingerprint: str,
+        template: str | None = None,
+        template_version: int | None = None,
+    ) -> list[TuningRecord]:
+        """The ok records `best` chooses from, fastest first (earlier first on equal cost)."""
         candidates = [
             record
             for record in self.records(workload_key, fingerprint)
@@ -347,7 +357,7 @@ class TuningLog(abc.ABC):
             and template in (None, record.template)
             and template_version in (None, record.template_version)
         ]
-        return min(candidates, key=lambda record: record.cost, default=None)
+        return sorted(candidates, key=lambda record: record.cost)
 
     def measured(self, workload_key: str, fingerprint: str) -> set[str]:
         """Config keys already recorded for a task, ok or failed: a resumed tuner skips them."""

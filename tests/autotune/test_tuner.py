@@ -215,6 +215,16 @@ def test_builds_apply_the_best_valid_record_only(tmp_path, target, measurer):
         foreign.append(dataclasses.replace(record, template_version=99))
     archive = compiler_core.compile(model, "llvm", tuning=str(tmp_path / "foreign.jsonl"))
     assert set(archive.manifest["kernels"].values()) == {"default schedule"}
+    # A faster record whose config the template refuses (a knob it does not have, as a log
+    # written by another build of the template may hold) is passed over for the next best.
+    edited = FileLog(tmp_path / "edited.jsonl")
+    for record in FileLog(log_path).records():
+        edited.append(record)
+    unknown = {**best.config, "no_such_knob": 1}
+    edited.append(dataclasses.replace(best, config=unknown, costs=(best.cost / 10,)))
+    archive = compiler_core.compile(model, "llvm", tuning=str(tmp_path / "edited.jsonl"))
+    (note,) = [k for k in archive.manifest["kernels"].values() if isinstance(k, dict)]
+    assert note["config"] == best.config
 
 
 def test_the_search_measures_distinct_configs_and_keeps_the_best(tmp_path, target, measurer):
