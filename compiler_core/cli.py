@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from statistics import median
 
 import numpy as np
 
@@ -314,6 +315,8 @@ def cmd_tune(args) -> int:
         tuner.run(trials=args.trials, time_budget=budget, progress=progress, retime=True)
         if tuner.retimings:
             print(f"re-timed each task's best configs and default: {tuner.retimings} runs")
+        if not target.is_gpu:
+            _check_in_model(graph, target, tasks, log, measurer, args.threads)
         if args.export_best:
             total = len(log.records())
             kept = log.export_jsonl(args.export_best, best_only=True)
@@ -336,6 +339,23 @@ def cmd_tune(args) -> int:
         print(f"build with: kiln compile {args.model} --target '{target}' --tuning {args.log} "
               "-o model.kiln")  # fmt: skip
     return 0
+
+
+def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
+    """Time the tuned tasks inside the model, tuned and untuned (`check_in_model`); say
+    which keep their default."""
+    from compiler_core.autotune.in_model import check_in_model
+    from compiler_core.compiler import COMPILER_VERSION
+
+    timings = check_in_model(graph, target, tasks, log, measurer, COMPILER_VERSION, threads)
+    if not timings:
+        return
+    kept = [t for t in timings if t.kept_default]
+    print(f"checked in the model: {len(timings)} tuned tasks, {len(kept)} keep their default")
+    for timing in kept:
+        k = tasks.index(timing.task)
+        tuned, default = (median(times) * 1e3 for times in (timing.tuned, timing.default))
+        print(f"  task {k}: tuned {tuned:.3f} ms, default {default:.3f} ms in the model")
 
 
 def build_parser() -> argparse.ArgumentParser:

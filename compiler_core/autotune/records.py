@@ -137,6 +137,12 @@ class TuningRecord:
     # few best configs and the default timed again side by side, so a config first timed in
     # a noisy minute is not judged by that minute alone. Not a trial of the search.
     retimed: bool = False
+    # A re-timing inside the whole model (`check_in_model`): the kernels of the task's groups
+    # timed one by one over the model's own workspace, after the kernels before them, cold
+    # where the model leaves them cold. Where a workload has such records, they alone decide
+    # its best: an isolated timing can rank two configs the other way round (resnet18's
+    # 14x14 3x3 convs: Winograd F(4x4) 0.38 ms alone, 0.73 in the model; F(2x2) 0.43, 0.46).
+    in_model: bool = False
 
     def __post_init__(self) -> None:
         for name in STRING_FIELDS:
@@ -159,8 +165,9 @@ class TuningRecord:
         object.__setattr__(self, "config", _check_config(self.config))
         object.__setattr__(self, "costs", _check_costs(self.costs, self.error))
         object.__setattr__(self, "features", _finite_numbers(self.features, "features"))
-        if not isinstance(self.retimed, bool):
-            raise RecordError(f"retimed must be true or false, got {self.retimed!r}")
+        for flag in ("retimed", "in_model"):
+            if not isinstance(getattr(self, flag), bool):
+                raise RecordError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
 
     @property
     def ok(self) -> bool:
@@ -191,8 +198,9 @@ class TuningRecord:
         fields["features"] = list(self.features)
         if not self.features:  # a record without them reads and writes as before they existed
             del fields["features"], fields["feature_set"]
-        if not self.retimed:  # likewise a search's own measurement
-            del fields["retimed"]
+        for flag in ("retimed", "in_model"):  # likewise a search's own measurement
+            if not fields[flag]:
+                del fields[flag]
         return fields
 
     def to_json(self) -> str:
@@ -342,6 +350,11 @@ class TuningLog(abc.ABC):
         """
         return next(iter(self.ranked(workload_key, fingerprint, template, template_version)), None)
 
+    def checked_in_model(self, workload_key: str, fingerprint: str, template_version: int):
+        """Whether in-model timings decide the workload's best (none came after them)."""
+        ranked = self.ranked(workload_key, fingerprint, template_version=template_version)
+        return bool(ranked) and ranked[0].in_model
+
     def ranked(
         self,
         workload_key: str,
@@ -357,7 +370,7 @@ class TuningLog(abc.ABC):
             and template in (None, record.template)
             and template_version in (None, record.template_version)
         ]
-        return sorted(candidates, key=lambda record: record.cost)
+        return sorted(_deciding(candidates), key=lambda record: record.cost)
 
     def measured(self, workload_key: str, fingerprint: str) -> set[str]:
         """Config keys already recorded for a task, ok or failed: a resumed tuner skips them."""
@@ -374,13 +387,25 @@ def best_records(records: Iterable[TuningRecord]) -> list[TuningRecord]:
     """The best ok record per (workload, fingerprint, template, template version), in log
     order: what `TuningLog.best` answers for each, and nothing else."""
     records = list(records)
-    best: dict[tuple, TuningRecord] = {}
+    groups: dict[tuple, list[TuningRecord]] = {}
     for record in records:
-        group = (record.workload_key, record.fingerprint, record.template, record.template_version)
-        if math.isfinite(record.cost) and (group not in best or record.cost < best[group].cost):
-            best[group] = record
-    chosen = {id(record) for record in best.values()}
+        if math.isfinite(record.cost):
+            group = (record.workload_key, record.fingerprint, record.template)
+            groups.setdefault((*group, record.template_version), []).append(record)
+    chosen = {
+        id(min(_deciding(candidates), key=lambda record: record.cost))
+        for candidates in groups.values()
+    }
     return [record for record in records if id(record) in chosen]
+
+
+def _deciding(candidates: list[TuningRecord]) -> list[TuningRecord]:
+    """The records (in log order) that decide a workload's best: its in-model timings when
+    they came after its last search measurement, else the others (a newer search has not
+    been checked in the model; in-model times do not compare with isolated ones)."""
+    last_search = max((k for k, r in enumerate(candidates) if not r.retimed), default=-1)
+    in_model = [r for r in candidates[last_search + 1 :] if r.in_model]
+    return in_model or [r for r in candidates if not r.in_model]
 
 
 def _parse_line(line: bytes, where: str) -> TuningRecord | None:

@@ -128,6 +128,8 @@ class Tuner:
             if record.template_version != task.template_version:
                 continue
             state.visited.add(record.config_key)
+            if record.in_model:  # another scale: kernel times inside the model
+                continue
             state.retimed = record.retimed  # a search measurement after it wants another
             self._account(state, record.config, record.cost, record.retimed)
 

@@ -113,6 +113,14 @@ def test_a_retimed_record_says_so_and_a_search_record_writes_as_before():
     assert not TuningRecord.from_json(record().to_json()).retimed
 
 
+def test_an_in_model_record_says_so_and_others_write_as_before():
+    timed = record(retimed=True, in_model=True)
+    assert TuningRecord.from_json(timed.to_json()) == timed
+    assert "in_model" not in record(retimed=True).to_dict()
+    with pytest.raises(RecordError, match="in_model must be true or false"):
+        record(in_model="yes")
+
+
 def test_failed_record_ranks_last_and_serialises_without_inf():
     failed = record(error="timeout", error_detail="killed after 10 s")
     assert failed.cost == math.inf and failed.gflops == 0.0
@@ -174,6 +182,28 @@ def test_best_is_the_lowest_median_among_ok_records_of_this_hardware(store):
     assert store.best(KEY, FP, "conv2d") is None
     assert store.best(KEY, OTHER_FP).config["tile_x"] == 5
     assert store.best(KEY, "1111111111111111") is None
+
+
+def test_in_model_timings_decide_the_best_until_a_newer_search(store, tmp_path):
+    """In-model records after a workload's last search measurement decide its best (the
+    default may win there although it lost alone); a later search measurement hands the
+    choice back to the isolated timings, which in-model ones never mix with."""
+    store.extend(
+        [
+            record(tile=1, costs=[5e-3]),  # the default
+            record(tile=3, costs=[4e-3]),  # fastest alone
+            record(tile=3, costs=[9e-3], retimed=True, in_model=True),
+            record(tile=1, costs=[6e-3], retimed=True, in_model=True),
+        ]
+    )
+    assert store.best(KEY, FP).config["tile_x"] == 1
+    assert [r.config["tile_x"] for r in store.ranked(KEY, FP)] == [1, 3]
+    path = tmp_path / "best.jsonl"
+    assert store.export_jsonl(path, best_only=True) == 1
+    (exported,) = FileLog(path).records()
+    assert exported.in_model and exported.config["tile_x"] == 1
+    store.append(record(tile=5, costs=[4.5e-3]))  # a later search's measurement
+    assert store.best(KEY, FP).config["tile_x"] == 3
 
 
 def test_a_best_only_export_keeps_what_best_answers_and_nothing_else(store, tmp_path):

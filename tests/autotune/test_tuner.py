@@ -309,9 +309,14 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
     )  # fmt: skip
     assert tune.returncode == 0, tune.stderr
     records = FileLog(log).records()
-    retimings = sum(r.retimed for r in records)
-    assert "1 tuning tasks" in tune.stdout and len(records) - retimings == 5
+    retimings = sum(r.retimed and not r.in_model for r in records)
+    in_model = sum(r.in_model for r in records)
+    assert "1 tuning tasks" in tune.stdout and len(records) - retimings - in_model == 5
     assert f"best configs and default: {retimings} runs" in tune.stdout
+    # The tuned task timed in the model, tuned and untuned; unless the default won alone.
+    assert in_model in (0, 2) and ("checked in the model: 1 tuned tasks" in tune.stdout) == (
+        in_model == 2
+    )
     build = subprocess.run(
         [kiln, "compile", str(model), "--tuning", str(log), "-o", str(tmp_path / "m.kiln")],
         capture_output=True, text=True,
@@ -419,3 +424,36 @@ def test_builds_run_the_algorithm_of_the_best_record(tmp_path, target, measurer,
 def ort_output(model, feeds):
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(["z"], feeds)[0]
+
+
+def test_tuned_tasks_are_timed_in_the_model_tuned_and_untuned(tmp_path, target, measurer):
+    """After a search, each task whose best config is not its default is timed inside the
+    whole model with that config and with its default: two in-model records per task, which
+    then decide the task's best (here whichever ran faster in the model)."""
+    from compiler_core.autotune.in_model import check_in_model
+    from compiler_core.autotune.measure import Result
+    from compiler_core.autotune.search import measured_record
+
+    model = conv_model()
+    graph = optimize(import_model(model))
+    tasks = extract_tasks(graph, target)
+    log = FileLog(tmp_path / "t.jsonl")
+    task = tasks[0]
+    other = next(c for c in task.space() if c != task.default_config())
+    # A search that found `other` far faster than the default, alone.
+    for config, cost in ((task.default_config(), 1e-3), (other, 1e-6)):
+        log.append(measured_record(task, config, Result((cost,)), measurer))
+    timings = check_in_model(graph, target, tasks, log, measurer, rounds=2)
+    (timing,) = timings
+    assert timing.task is task and timing.tuned_config == other
+    assert len(timing.tuned) == len(timing.default) == 2 and min(timing.tuned) > 0
+    in_model = [r for r in log.records() if r.in_model]
+    assert [r.config for r in in_model] == [other, task.default_config()]
+    assert all(r.retimed and r.flops == task.flops for r in in_model)
+    faster = task.default_config() if timing.kept_default else other
+    assert log.best(task.key, measurer.fingerprint).config == faster
+    # Checked again with nothing new: nothing to time. A newer search measurement hands the
+    # choice back to the isolated timings, and the next check times the task again.
+    assert check_in_model(graph, target, tasks, log, measurer, rounds=1) == []
+    log.append(measured_record(task, task.space()[-1], Result((2e-6,)), measurer))
+    assert len(check_in_model(graph, target, tasks, log, measurer, rounds=1)) == 1
