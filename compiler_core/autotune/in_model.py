@@ -9,15 +9,15 @@ is built twice, with the log's best config of every task and with none, and both
 kernels are profiled over their own workspace (`Module.profile`), the builds taking turns
 round after round. Each task gets two records, its tuned config and its default timed in the
 model (per occurrence: the task's kernels summed over its groups, divided by their count);
-records flagged `in_model` alone decide a workload's best (`TuningLog.ranked`), so a task
-whose tuned config loses in the model is built with its default.
+records flagged `in_model` alone decide a workload's best until a later search measures it
+again (`TuningLog.ranked`), so a task whose tuned config loses in the model is built with its
+default. The other tasks run as each build has them: tuned in one, default in the other.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 from compiler_core.autotune.apply import tuned_schedules
 from compiler_core.autotune.measure import Result
@@ -117,7 +117,5 @@ def _records(timings: list[InModelTiming], measurer, compiler_version: str):
             (task.default_config(), timing.default),
         ):
             record = measured_record(task, config, Result(costs), measurer, compiler_version)
-            records.append(
-                dataclasses.replace(record, retimed=True, in_model=True, timestamp=time.time())
-            )
+            records.append(dataclasses.replace(record, retimed=True, in_model=True))
     return records
