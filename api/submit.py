@@ -121,6 +121,14 @@ def describe_event(event: Event) -> str:
             f"{data.get('tasks_done')}/{data.get('tasks_total')} tasks done, "
             f"estimated {data.get('estimated_ms')} ms" + _tuning_status(data)
         )
+    if event.type == "in_model":
+        kept = data.get("kept_default", [])
+        details = "".join(
+            f"; task {k['task']} tuned {k['tuned_ms']} ms, default {k['default_ms']} ms"
+            for k in kept
+        )
+        summary = f"{data.get('checked')} tuned tasks, {len(kept)} keep their default"
+        return f"checked in the model: {summary}{details}"
     if event.type == "measured":
         return f"measured latency {data.get('latency_ms')} ms"
     if event.type == "requeued":

@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -104,7 +105,33 @@ def tune_job(run: JobRun, graph, target, request: dict, settings, send: Send | N
                 if entry["status"] not in TUNING_ENDED:
                     send(run.job["id"], entry["key"])
         JobTuning(run, {t.key: t for t in tasks}, tuning_log, measurer, settings).run()
+        if not target.is_gpu:
+            check_job_in_model(run, graph, target, tasks, tuning_log, measurer)
     return tuning_log
+
+
+def check_job_in_model(run: JobRun, graph, target, tasks, tuning_log, measurer) -> None:
+    """Once every workload has ended: time the tuned ones inside the model, tuned and
+    untuned (`check_in_model`), so the build keeps a default that runs faster there; an
+    `in_model` event says what was checked and which tasks keep their default."""
+    from compiler_core.autotune.in_model import check_in_model
+
+    run.check()
+    timings = check_in_model(graph, target, tasks, tuning_log, measurer, compiler_version())
+    run.event(
+        "in_model",
+        checked=len(timings),
+        kept_default=[
+            {
+                "task": tasks.index(t.task),
+                "workload": t.task.workload,
+                "tuned_ms": round(statistics.median(t.tuned) * 1e3, 4),
+                "default_ms": round(statistics.median(t.default) * 1e3, 4),
+            }
+            for t in timings
+            if t.kept_default
+        ],
+    )
 
 
 class JobTuning:

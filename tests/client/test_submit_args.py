@@ -43,6 +43,16 @@ def test_plain_lines():
         "tuning task 1 (dense): 12 trials, best 3.46 GFLOP/s; 1/2 tasks done, estimated 0.5 ms"
     )
     assert describe_event(Event("2", "stage", {"stage": "importing"})) == "stage importing"
+    checked = Event(
+        "8",
+        "in_model",
+        {"checked": 2, "kept_default": [
+            {"task": 0, "workload": "conv", "tuned_ms": 0.7, "default_ms": 0.5}]},
+    )  # fmt: skip
+    assert describe_event(checked) == (
+        "checked in the model: 2 tuned tasks, 1 keep their default; task 0 tuned 0.7 ms, "
+        "default 0.5 ms"
+    )
     failed = Event("9", "failed", {"error": "node 'n1': operator X.Y"})
     assert describe_event(failed) == "failed: node 'n1': operator X.Y"
 

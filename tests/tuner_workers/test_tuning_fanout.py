@@ -77,6 +77,11 @@ def test_a_job_fans_its_workloads_out_and_tunes_those_nobody_took(platform):  # 
     assert {r.workload_key for r in records} == {e["key"] for e in entries}
     events = [e for _, e in ledger.read_events("c-1") if e["type"] == "tuning"]
     assert {e["status"] for e in events if e["trials"] > 0} >= {"done"}
+    # Then the tuned workloads timed inside the model, tuned and untuned, before the build.
+    (checked,) = [e for _, e in ledger.read_events("c-1") if e["type"] == "in_model"]
+    in_model = [r for r in records if r.in_model]
+    assert len(in_model) == 2 * checked["checked"] and checked["checked"] <= 2
+    assert len(checked["kept_default"]) <= checked["checked"]
 
 
 def test_budget_a_converged_search_leaves_goes_to_the_next_workload(platform):  # noqa: F811
