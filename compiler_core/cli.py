@@ -31,7 +31,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from statistics import median
 
 import numpy as np
 
@@ -353,9 +352,10 @@ def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
     kept = [t for t in timings if t.kept_default]
     print(f"checked in the model: {len(timings)} tuned tasks, {len(kept)} keep their default")
     for timing in kept:
-        k = tasks.index(timing.task)
-        tuned, default = (median(times) * 1e3 for times in (timing.tuned, timing.default))
-        print(f"  task {k}: tuned {tuned:.3f} ms, default {default:.3f} ms in the model")
+        print(
+            f"  task {tasks.index(timing.task)}: tuned {timing.tuned_ms:.3f} ms, default "
+            f"{timing.default_ms:.3f} ms in the model"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

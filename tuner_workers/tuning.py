@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -125,8 +124,8 @@ def check_job_in_model(run: JobRun, graph, target, tasks, tuning_log, measurer) 
             {
                 "task": tasks.index(t.task),
                 "workload": t.task.workload,
-                "tuned_ms": round(statistics.median(t.tuned) * 1e3, 4),
-                "default_ms": round(statistics.median(t.default) * 1e3, 4),
+                "tuned_ms": round(t.tuned_ms, 4),
+                "default_ms": round(t.default_ms, 4),
             }
             for t in timings
             if t.kept_default

@@ -43,8 +43,16 @@ class InModelTiming:
     default: tuple[float, ...]
 
     @property
+    def tuned_ms(self) -> float:
+        return statistics.median(self.tuned) * 1e3
+
+    @property
+    def default_ms(self) -> float:
+        return statistics.median(self.default) * 1e3
+
+    @property
     def kept_default(self) -> bool:
-        return statistics.median(self.default) <= statistics.median(self.tuned)
+        return self.default_ms <= self.tuned_ms
 
 
 def check_in_model(

@@ -175,16 +175,8 @@ class Measurer:
     # --- running ------------------------------------------------------------------------
 
     def measure(self, task: Task, configs: Sequence[dict]) -> list[Result]:
-        reference = self._reference(task)
-        results = []
-        for config, built in zip(configs, self.build(task, configs), strict=True):
-            if isinstance(built, Result):
-                results.append(built)
-                continue
-            lowered = task.lowered_for(config)
-            results.append(self._run(lowered, built, reference=reference))
-            built.unlink(missing_ok=True)
-        return results
+        """Each config built and run once: its result (or why it has none)."""
+        return [results for (results,) in self.measure_rounds(task, configs, 1)]
 
     def measure_rounds(
         self, task: Task, configs: Sequence[dict], rounds: int

@@ -350,7 +350,7 @@ class TuningLog(abc.ABC):
         """
         return next(iter(self.ranked(workload_key, fingerprint, template, template_version)), None)
 
-    def checked_in_model(self, workload_key: str, fingerprint: str, template_version: int):
+    def checked_in_model(self, workload_key: str, fingerprint: str, template_version: int) -> bool:
         """Whether in-model timings decide the workload's best (none came after them)."""
         ranked = self.ranked(workload_key, fingerprint, template_version=template_version)
         return bool(ranked) and ranked[0].in_model

@@ -836,24 +836,22 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     computed = map_stmt(stripped, redirect_expr, redirect_stmt)
     ranges = _enclosing_ranges(func, target)
 
-    def tile_nest(label: str, make: Callable[[tuple[Expr, ...], tuple[Expr, ...]], Stmt]):
+    def tile_nest(label: str, make, guarded: bool = True) -> Stmt:
         """A nest over the local tile (loops `{name}_{label}{d}`) of `make(local index,
-        buffer index)`, guarded where the region runs past the buffer (cropped tiles)."""
+        buffer index)`; `guarded`: where the region runs past the buffer (a cropped tile),
+        only the elements inside it."""
         tile = [Var(f"{name}_{label}{k}") for k in range(len(extents))]
         index = tuple(Binary("add", starts[d], tile[order.index(d)]) for d in range(len(starts)))
         body = make(tuple(tile), index)
         for i, s, e, size in zip(index, starts, extents, buffer.shape, strict=True):
-            if _needs_guard(s, e, size, ranges):
+            if guarded and _needs_guard(s, e, size, ranges):
                 body = IfThenElse(Binary("lt", i, Const(size, INDEX)), body)
         for var, extent in reversed(list(zip(tile, local.shape, strict=True))):
             body = For(var, extent, body, tile_kind)
         return body
 
     if init_value is not None:  # the first reduction step's store, done once up front
-        fill_vars = [Var(f"{name}_init{d}") for d in range(len(extents))]
-        fill: Stmt = Store(local, tuple(fill_vars), init_value)
-        for var, extent in reversed(list(zip(fill_vars, local.shape, strict=True))):
-            fill = For(var, extent, fill, tile_kind)
+        fill = tile_nest("init", lambda tile, _: Store(local, tile, init_value), guarded=False)
         if first_visit is not None:  # later visits add to the partial sums stored so far
             reload = tile_nest("rl", lambda tile, index: Store(local, tile, Load(buffer, index)))
             fill = seq(fill, IfThenElse(Unary("not", first_visit), reload))
