@@ -213,13 +213,13 @@ class Tuner:
 
     def _retime_seconds(self) -> float:
         """Seconds the re-timing still to come may take, at this session's measuring rate
-        (an overestimate: a re-timing builds each config once for all its rounds); 0 while
-        nothing has been measured."""
+        (an overestimate: a re-timing builds each config once for all its rounds, and a
+        config measured twice counts twice here); 0 while nothing has been measured."""
         configs, seconds = self._measuring
         if not configs:
             return 0.0
         pending = sum(
-            RETIME_ROUNDS * min(RETIME_TOP + 1, len({config_key(c) for _, c in s.measured}))
+            RETIME_ROUNDS * min(RETIME_TOP + 1, len(s.measured))
             for s in self.states
             if not s.retimed and len(s.measured) > 1
         )
