@@ -40,12 +40,6 @@ class CostModel:
     def trained(self) -> bool:
         return self._booster is not None
 
-    @property
-    def predicts_speed(self) -> bool:
-        """Whether a score is a relative speed (regression), so two scores' ratio means
-        something; a ranking objective's scores only order configs."""
-        return self.objective == "regression"
-
     def fit(self, features: np.ndarray, throughput: np.ndarray, groups: Sequence[str]) -> bool:
         """Train on (features, throughput) rows, `groups` naming each row's task. Returns
         False (and keeps the previous model) when there is too little to learn from."""
