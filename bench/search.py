@@ -14,8 +14,9 @@ both searches see the same costs and only their choices differ:
 - the tuner's model-guided search (`Tuner.step`: batches of 8, the default point and random
   ones until the LightGBM model has records to learn from, then the configs it ranks fastest
   among neighbours of the best measured and a sample of the rest, an epsilon share random),
-  with either objective, cold (an empty log) or warm (the other workloads' tables in the log:
-  transfer, as the tuner runs with a shared log);
+  with the tuner's model (`auto`: the objective that ranks held-out records better, chosen
+  at each fit) or either objective fixed, cold (an empty log) or warm (the other workloads'
+  tables in the log: transfer, as the tuner runs with a shared log);
 each until it first measures a config within 95% of the table's best GFLOP/s. Medians over
 `--seeds` seeds; the verdict is guided trials / random trials (issue 9 asks <= 0.25).
 
@@ -38,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.run import cpu_name
-from compiler_core.autotune.cost_model import CostModel, top_k_recall
+from compiler_core.autotune.cost_model import AUTO, OBJECTIVES, CostModel, top_k_recall
 from compiler_core.autotune.features import FEATURE_SET
 from compiler_core.autotune.measure import Measurer, Result
 from compiler_core.autotune.records import FileLog, TuningRecord, open_log
@@ -61,6 +62,9 @@ WORKLOADS = (
 GOAL = 0.95  # of the best GFLOP/s in the table (issue 9's criterion; --goal changes it)
 BATCH = 8  # the tuner's batch
 TOP_K = 5
+# The tuner's model (the objective that ranks held-out records better, chosen at each fit),
+# and each objective fixed.
+GUIDED = (AUTO, *OBJECTIVES)
 
 
 def workload_tasks() -> dict[str, Task]:
@@ -220,11 +224,12 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int, fraction: float =
             "default_of_best": best / default.cost if default else None,
             "random": [random_trials(records, goal, s) for s in range(seeds)],
         }
-        for objective in ("regression", "rank"):
+        for objective in GUIDED:
             row[objective] = [
                 guided_trials(task, records, features[slug], goal, s, objective)
                 for s in range(seeds)
             ]
+        for objective in OBJECTIVES:
             row[f"recall_{objective}"] = _held_out_recall(ok, features[slug], objective, seeds)
             row[f"transfer_recall_{objective}"] = _transfer_recall(
                 slug, tables, features, objective
@@ -232,7 +237,7 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int, fraction: float =
         priors = {source: prior_of(source, slug) for source in ("others", "resnet18")}
         row["transfer"] = {
             source: [
-                guided_trials(task, records, features[slug], goal, s, "regression", prior)
+                guided_trials(task, records, features[slug], goal, s, AUTO, prior)
                 for s in range(seeds)
             ]
             for source, prior in priors.items()
@@ -275,11 +280,11 @@ def print_report(report: dict) -> None:
     )
     header = (
         f"{'workload':20s} {'space':>5s} {'best GF/s':>9s} {'default':>7s} {'random':>6s} "
-        f"{'guided':>6s} {'ratio':>5s} {'rank':>5s} {'ratio':>5s}  top-{TOP_K} recall "
-        "held-out / other workloads (regression; rank)"
+        + " ".join(f"{o[:6]:>6s} {'ratio':>5s}" for o in GUIDED)
+        + f"  top-{TOP_K} recall held-out / other workloads (regression; rank)"
     )
     print(header)
-    ratios = {"regression": [], "rank": []}
+    ratios = {o: [] for o in GUIDED}
     for slug, row in report["workloads"].items():
         rand = statistics.median(row["random"])
         medians = {o: statistics.median(row[o]) for o in ratios}
@@ -289,9 +294,8 @@ def print_report(report: dict) -> None:
         print(
             f"{slug:20s} {row['space']:5d} {row['best_gflops']:9.1f} "
             f"{(f'{default:.0%}' if default else '-'):>7s} {rand:6.1f} "
-            f"{medians['regression']:6.1f} {medians['regression'] / rand:5.2f} "
-            f"{medians['rank']:5.1f} {medians['rank'] / rand:5.2f}  "
-            f"{_pct(row['recall_regression'])} / {_pct(row['transfer_recall_regression'])}; "
+            + " ".join(f"{medians[o]:6.1f} {medians[o] / rand:5.2f}" for o in GUIDED)
+            + f"  {_pct(row['recall_regression'])} / {_pct(row['transfer_recall_regression'])}; "
             f"{_pct(row['recall_rank'])} / {_pct(row['transfer_recall_rank'])}"
         )
     for objective, values in ratios.items():
@@ -306,12 +310,12 @@ def print_report(report: dict) -> None:
     ]
     if warm:
         print(
-            "regression, warm from the other workloads' tables: guided/random trials, median "
+            f"{AUTO}, warm from the other workloads' tables: guided/random trials, median "
             f"over workloads {statistics.median(warm):.2f}, worst {max(warm):.2f}"
         )
-    print("transfer (regression objective): median trials to the goal, cold -> warm")
+    print(f"transfer ({AUTO}): median trials to the goal, cold -> warm")
     for slug, row in report["workloads"].items():
-        cold = statistics.median(row["regression"])
+        cold = statistics.median(row[AUTO])
         warm = ", ".join(
             f"from {source} {statistics.median(trials):.1f} "
             f"({statistics.median(trials) / cold:.2f} of cold)"

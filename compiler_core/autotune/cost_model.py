@@ -4,11 +4,14 @@ Trained on measured records of every task seen in a session: the target is each 
 throughput normalized by the best of its own task (so a small GEMM and a big conv train one
 model), with failed configs left out (they would teach the model nothing true about speed).
 Two objectives: `regression` on the normalized throughput, and `rank` (lambdarank, grouped per
-task, on throughput buckets). `bench.search` reports the top-k recall of both on held-out
-records; the tuner uses regression, which ranked as well or better there. Once there are
-enough records, a share of each task's is held out to stop the boosting where the held-out
-error stops falling (a fixed round count over-fits a few dozen records and under-fits
-thousands), and the model is then refit on every record for that many rounds.
+task, on throughput buckets).
+
+Once there are enough records, a share of each task's is held out: each objective boosts
+until its error on them stops falling (a fixed round count over-fits a few dozen records and
+under-fits thousands), the two are compared on how fast a config each one ranks first among
+each task's held-out records runs, and the better one (`chosen`) is refit on every record
+for its number of rounds. `objective="regression"` or `"rank"` fixes the objective instead
+(`bench.search` compares the two that way).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+OBJECTIVES = ("regression", "rank")
+AUTO = "auto"  # the objective that ranks the held-out records better, at every fit
 RANK_LEVELS = 30  # lambdarank relevance buckets of the normalized throughput
 MIN_TRAINING_RECORDS = 8
 MAX_ROUNDS = 300
@@ -25,16 +30,39 @@ FIXED_ROUNDS = 80  # below MIN_HOLD_OUT_RECORDS: too few to hold any out
 MIN_HOLD_OUT_RECORDS = 48
 HOLD_OUT_SHARE = 0.2
 STOPPING_ROUNDS = 20
+PARAMS = {
+    "learning_rate": 0.1,
+    "num_leaves": 15,
+    "min_data_in_leaf": 2,
+    "feature_fraction": 0.8,
+    "bagging_fraction": 0.8,
+    "bagging_freq": 1,
+    "verbose": -1,
+    "num_threads": 1,
+}
+OBJECTIVE_PARAMS = {
+    "regression": {"objective": "regression", "metric": "l2"},
+    "rank": {
+        "objective": "lambdarank",
+        "label_gain": list(range(RANK_LEVELS + 1)),
+        "metric": "ndcg",
+        "eval_at": [5],
+    },
+}
 
 
 class CostModel:
-    def __init__(self, objective: str = "regression", seed: int = 0):
-        if objective not in ("regression", "rank"):
+    def __init__(self, objective: str = AUTO, seed: int = 0):
+        if objective not in (*OBJECTIVES, AUTO):
             raise ValueError(f"unknown cost model objective {objective!r}")
         self.objective = objective
         self.seed = seed
         self._booster = None
+        self.chosen = None if objective == AUTO else objective  # the objective in use
         self.rounds = 0  # boosting rounds of the current model
+        # Per objective compared at the last fit: the held-out records' mean speed (relative to
+        # each task's fastest held-out record) of the config it ranked first.
+        self.held_out_quality: dict[str, float] = {}
 
     @property
     def trained(self) -> bool:
@@ -43,79 +71,79 @@ class CostModel:
     def fit(self, features: np.ndarray, throughput: np.ndarray, groups: Sequence[str]) -> bool:
         """Train on (features, throughput) rows, `groups` naming each row's task. Returns
         False (and keeps the previous model) when there is too little to learn from."""
-        import lightgbm as lgb
-
         features = np.asarray(features, np.float32)
         labels = _normalized(np.asarray(throughput, np.float64), list(groups))
         if len(labels) < MIN_TRAINING_RECORDS or np.ptp(labels) == 0:
             return False
-        params = {
-            "learning_rate": 0.1,
-            "num_leaves": 15,
-            "min_data_in_leaf": 2,
-            "feature_fraction": 0.8,
-            "bagging_fraction": 0.8,
-            "bagging_freq": 1,
-            "verbose": -1,
-            "seed": self.seed,
-            "num_threads": 1,
-        }
-        if self.objective == "rank":
-            params |= {
-                "objective": "lambdarank",
-                "label_gain": list(range(RANK_LEVELS + 1)),
-                "metric": "ndcg",
-                "eval_at": [5],
-            }
-        else:
-            params |= {"objective": "regression", "metric": "l2"}
         groups = np.asarray(groups)
-        rounds = self._stopping_round(params, features, labels, groups)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self._booster = lgb.train(params, self._dataset(features, labels, groups), rounds)
-        self.rounds = rounds
+        candidates = OBJECTIVES if self.objective == AUTO else (self.objective,)
+        held = _held_out_rows(groups, self.seed)
+        if len(labels) >= MIN_HOLD_OUT_RECORDS and held.any():
+            trials = {
+                o: self._held_out_trial(o, features, labels, groups, held) for o in candidates
+            }
+            self.held_out_quality = {o: quality for o, (_, quality) in trials.items()}
+            objective = max(candidates, key=lambda o: trials[o][1])  # a tie keeps the first
+            rounds = trials[objective][0]
+        else:
+            objective, rounds = self.chosen or candidates[0], FIXED_ROUNDS
+        self._booster = self._train(objective, features, labels, groups, rounds)
+        self.chosen, self.rounds = objective, rounds
         return True
 
-    def _dataset(self, features: np.ndarray, labels: np.ndarray, groups: np.ndarray):
+    def _held_out_trial(
+        self,
+        objective: str,
+        features: np.ndarray,
+        labels: np.ndarray,
+        groups: np.ndarray,
+        held: np.ndarray,
+    ) -> tuple[int, float]:
+        """(rounds, quality) of `objective` trained on the rows not `held`: the boosting
+        round where its error on the held rows stopped falling, and how fast the held row it
+        ranks first in each task runs (1: the task's fastest held row), averaged over tasks."""
         import lightgbm as lgb
 
-        if self.objective != "rank":
-            return lgb.Dataset(features, labels)
-        order = np.argsort(groups, kind="stable")
-        sizes = np.unique(groups[order], return_counts=True)[1]
-        relevance = np.round(labels[order] * RANK_LEVELS).astype(int)
-        return lgb.Dataset(features[order], relevance, group=sizes)
+        valid = _dataset(objective, features[held], labels[held], groups[held])
+        booster = self._train(
+            objective,
+            features[~held],
+            labels[~held],
+            groups[~held],
+            MAX_ROUNDS,
+            valid_sets=[valid],
+            callbacks=[lgb.early_stopping(STOPPING_ROUNDS, verbose=False)],
+        )
+        scores = booster.predict(features[held], num_iteration=booster.best_iteration)
+        return max(booster.best_iteration, 1), _top_pick_quality(scores, labels[held], groups[held])
 
-    def _stopping_round(
-        self, params: dict, features: np.ndarray, labels: np.ndarray, groups: np.ndarray
-    ) -> int:
-        """Boosting rounds at which the error on held-out records stopped falling (each
-        task's records split alike, so every task is seen in both parts); FIXED_ROUNDS when
-        there are too few records to hold any out."""
+    def _train(self, objective, features, labels, groups, rounds, **options):
         import lightgbm as lgb
 
-        held = _held_out_rows(groups, self.seed)
-        if len(labels) < MIN_HOLD_OUT_RECORDS or not held.any():
-            return FIXED_ROUNDS
-        train = self._dataset(features[~held], labels[~held], groups[~held])
-        valid = self._dataset(features[held], labels[held], groups[held])
+        params = PARAMS | OBJECTIVE_PARAMS[objective] | {"seed": self.seed}
+        data = _dataset(objective, features, labels, groups)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            booster = lgb.train(
-                params,
-                train,
-                MAX_ROUNDS,
-                valid_sets=[valid],
-                callbacks=[lgb.early_stopping(STOPPING_ROUNDS, verbose=False)],
-            )
-        return max(booster.best_iteration, 1)
+            return lgb.train(params, data, rounds, **options)
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Scores, higher = faster (comparable within one task)."""
         if self._booster is None:
             raise RuntimeError("the cost model is not trained")
         return self._booster.predict(np.asarray(features, np.float32))
+
+
+def _dataset(objective: str, features: np.ndarray, labels: np.ndarray, groups: np.ndarray):
+    """LightGBM's view of the rows: throughput labels for regression, relevance buckets in
+    contiguous per-task groups for lambdarank."""
+    import lightgbm as lgb
+
+    if objective != "rank":
+        return lgb.Dataset(features, labels)
+    order = np.argsort(groups, kind="stable")
+    sizes = np.unique(groups[order], return_counts=True)[1]
+    relevance = np.round(labels[order] * RANK_LEVELS).astype(int)
+    return lgb.Dataset(features[order], relevance, group=sizes)
 
 
 def _held_out_rows(groups: np.ndarray, seed: int) -> np.ndarray:
@@ -129,6 +157,18 @@ def _held_out_rows(groups: np.ndarray, seed: int) -> np.ndarray:
         if count:
             held[rng.choice(rows, count, replace=False)] = True
     return held
+
+
+def _top_pick_quality(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray) -> float:
+    """Mean over groups of the label of the row scored highest, relative to the group's best
+    label (the search measures a model's top picks: how fast they run is what counts)."""
+    values = []
+    for group in np.unique(groups):
+        rows = np.flatnonzero(groups == group)
+        best = labels[rows].max()
+        if len(rows) > 1 and best > 0:
+            values.append(labels[rows[np.argmax(scores[rows])]] / best)
+    return float(np.mean(values)) if values else 0.0
 
 
 def _normalized(throughput: np.ndarray, groups: list[str]) -> np.ndarray:
