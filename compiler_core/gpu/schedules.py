@@ -15,7 +15,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from compiler_core.kernels.schedules import Knob, StageInfo, Template, Tunable, kept_by_builder
+from compiler_core.kernels.schedules import (
+    Knob,
+    StageInfo,
+    Template,
+    Tunable,
+    fuse_all,
+    kept_by_builder,
+)
 from compiler_core.loop.ir import Load, PrimFunc, Store
 from compiler_core.loop.transform import walk_exprs, walk_stmts
 from compiler_core.schedule.primitives import (
@@ -24,7 +31,6 @@ from compiler_core.schedule.primitives import (
     CacheWrite,
     ComputeInline,
     CrossThreadReduce,
-    Fuse,
     Record,
     Reorder,
     ReverseComputeInline,
@@ -97,12 +103,7 @@ def _epilogue(
 
 def _fused_spatial(stage: StageInfo) -> tuple[list[Record], str]:
     """Fuse the stage's spatial loops into one (outermost first); its name."""
-    records: list[Record] = []
-    name = stage.loop(0)
-    for k in range(1, len(stage.shape)):
-        records.append(Fuse(name, stage.loop(k)))
-        name = f"{name}_{stage.loop(k)}_f"
-    return records, name
+    return fuse_all([stage.loop(k) for k in range(len(stage.shape))])
 
 
 # --- one thread per element ---------------------------------------------------------------------
@@ -132,13 +133,13 @@ def elementwise_records(
             records.append(ReverseComputeInline(epilogue.name))
     fused, name = _fused_spatial(stage)
     total = math.prod(stage.shape)
-    threads = min(int(config["threads"]), total)
+    blocks = Split(name, min(int(config["threads"]), total))
     return [
         *records,
         *fused,
-        Split(name, threads),
-        Bind(f"{name}_o", "blockIdx.x"),
-        Bind(f"{name}_i", "threadIdx.x"),
+        blocks,
+        Bind(blocks.outer, "blockIdx.x"),
+        Bind(blocks.inner, "threadIdx.x"),
     ]
 
 
@@ -192,52 +193,50 @@ def dense_records(stage: StageInfo, epilogue: StageInfo | None, config: Config) 
     rank = len(stage.shape)
     i, j, (r, _) = stage.loop(rank - 2), stage.loop(rank - 1), stage.reduce_axes[0]
     batch_fuse, batch = _fused_batch(stage, rank - 2)
+    # Blocks of rows and of panels; in a block, threads of tm rows and of tn columns.
+    panels, block_rows, slices = Split(j, panel), Split(i, bm), Split(r, bk)
+    columns, rows = Split(panels.inner, tn), Split(block_rows.inner, tm)
     records: list[Record] = [
-        Split(j, panel),
-        Split(f"{j}_i", tn),
-        Split(i, bm),
-        Split(f"{i}_i", tm),
-        Split(r, bk),
+        panels,
+        columns,
+        block_rows,
+        rows,
+        slices,
         *batch_fuse,
         Reorder(
             (
                 *([batch] if batch else []),
-                f"{i}_o",
-                f"{j}_o",
-                f"{i}_i_o",
-                f"{j}_i_o",
-                f"{r}_o",
-                f"{r}_i",
-                f"{i}_i_i",
-                f"{j}_i_i",
+                block_rows.outer,
+                panels.outer,
+                rows.outer,
+                columns.outer,
+                slices.outer,
+                slices.inner,
+                rows.inner,
+                columns.inner,
             )
         ),
-        CacheWrite(stage.name, f"{r}_o"),
+        CacheWrite(stage.name, slices.outer),
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     records += [
         *([Bind(batch, "blockIdx.z")] if batch else []),
-        Bind(f"{i}_o", "blockIdx.y"),
-        Bind(f"{j}_o", "blockIdx.x"),
-        Bind(f"{i}_i_o", "threadIdx.y"),
-        Bind(f"{j}_i_o", "threadIdx.x"),
-        Unroll(f"{i}_i_i"),
-        Unroll(f"{j}_i_i"),
+        Bind(block_rows.outer, "blockIdx.y"),
+        Bind(panels.outer, "blockIdx.x"),
+        Bind(rows.outer, "threadIdx.y"),
+        Bind(columns.outer, "threadIdx.x"),
+        Unroll(rows.inner),
+        Unroll(columns.inner),
     ]
-    records += [CacheRead(operand, f"{r}_o") for operand in stage.note("operands", ())]
+    records += [CacheRead(operand, slices.outer) for operand in stage.note("operands", ())]
     return records
 
 
 def _fused_batch(stage: StageInfo, count: int) -> tuple[list[Record], str | None]:
     if count == 0:
         return [], None
-    records: list[Record] = []
-    name = stage.loop(0)
-    for d in range(1, count):
-        records.append(Fuse(name, stage.loop(d)))
-        name = f"{name}_{stage.loop(d)}_f"
-    return records, name
+    return fuse_all([stage.loop(d) for d in range(count)])
 
 
 def dense_fits(stage: StageInfo, config: Config, target: Target) -> bool:
@@ -294,27 +293,26 @@ def conv_records(stage: StageInfo, epilogue: StageInfo | None, config: Config) -
     remaining spatial loops are fused, a block of `threads` threads per chunk."""
     rank, tile = len(stage.shape), int(config["tile"])
     axis = 1 if config["tile_axis"] == "channel" else rank - 1
-    tiled = stage.loop(axis)
+    tiled = Split(stage.loop(axis), tile)
     reductions = [name for name, _ in stage.reduce_axes]
-    outer = [f"{tiled}_o" if k == axis else stage.loop(k) for k in range(rank)]
+    outer = [tiled.outer if k == axis else stage.loop(k) for k in range(rank)]
     records: list[Record] = [
-        Split(tiled, tile),
-        Reorder((*outer, *reductions, f"{tiled}_i")),
+        tiled,
+        Reorder((*outer, *reductions, tiled.inner)),
         CacheWrite(stage.name, reductions[0]),
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    records.append(Unroll(f"{tiled}_i"))
-    name = outer[0]
-    for loop in outer[1:]:
-        records.append(Fuse(name, loop))
-        name = f"{name}_{loop}_f"
+    records.append(Unroll(tiled.inner))
+    fused, name = fuse_all(outer)
     total = math.prod(stage.shape) // tile
+    blocks = Split(name, min(int(config["threads"]), total))
     return [
         *records,
-        Split(name, min(int(config["threads"]), total)),
-        Bind(f"{name}_o", "blockIdx.x"),
-        Bind(f"{name}_i", "threadIdx.x"),
+        *fused,
+        blocks,
+        Bind(blocks.outer, "blockIdx.x"),
+        Bind(blocks.inner, "threadIdx.x"),
     ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from compiler_core.schedule.primitives import (
     MAX_VECTOR_LANES,
@@ -119,14 +119,24 @@ def _kept_sources(stage: StageInfo, inlined: set[str], all_stages) -> set[str]:
     return sources
 
 
-def _vector_tile_io(stage: StageInfo, suffix: str = "") -> list[Record]:
+def _vector_tile_io(cache: CacheWrite, rank: int) -> list[Record]:
     """Vectorize the accumulator tile's zero fill and its store (which carries the epilogue)
-    along the tile's innermost axis, as the reduction itself is: left scalar and unrolled,
-    LLVM's SLP vectorizer does not reassemble them (MobileNetV2's 1x1 convs ran 2.5x slower).
-    `suffix`: the cache's (CacheWrite.suffix)."""
-    last = len(stage.shape) - 1
-    name = f"{stage.name}{suffix}"
-    return [Vectorize(f"{name}_init{last}"), Vectorize(f"{name}_wb{last}")]
+    along the tile's innermost axis (of `rank`), as the reduction itself is: left scalar and
+    unrolled, LLVM's SLP vectorizer does not reassemble them (MobileNetV2's 1x1 convs ran 2.5x
+    slower)."""
+    return [Vectorize(cache.init_loop(rank - 1)), Vectorize(cache.store_loop(rank - 1))]
+
+
+def fuse_all(loops: Sequence[str]) -> tuple[list[Record], str]:
+    """Fuse `loops` (outermost first, each directly inside the one before) into one loop: the
+    records, and the fused loop (the first loop itself when there is only one)."""
+    records: list[Record] = []
+    fused = loops[0]
+    for loop in loops[1:]:
+        record = Fuse(fused, loop)
+        records.append(record)
+        fused = record.fused
+    return records, fused
 
 
 def conv_schedule(
@@ -136,43 +146,46 @@ def conv_schedule(
     width = conv.shape[3]
     reduce_loops = [name for name, _ in conv.reduce_axes]
     records: list[Record] = []
+    cache = CacheWrite(conv.name, reduce_loops[0])
     if depthwise:
         lanes = _largest_divisor(width, (target.vector_lanes, 8, 4))
-        records += [Split(x_loop, lanes)]
-        records += [Reorder((n_loop, m_loop, y_loop, f"{x_loop}_o", *reduce_loops, f"{x_loop}_i"))]
-        records += [CacheWrite(conv.name, reduce_loops[0])]
+        pixels = Split(x_loop, lanes)
+        records += [pixels]
+        records += [Reorder((n_loop, m_loop, y_loop, pixels.outer, *reduce_loops, pixels.inner))]
+        records += [cache]
         if lanes > 1:
-            records += [Vectorize(f"{x_loop}_i"), *_vector_tile_io(conv)]
+            records += [Vectorize(pixels.inner), *_vector_tile_io(cache, len(conv.shape))]
         if epilogue is not None:
             records.append(ReverseComputeInline(epilogue.name))
-        records += [Fuse(m_loop, y_loop), Parallel(f"{m_loop}_{y_loop}_f")]
-        return records
+        planes = Fuse(m_loop, y_loop)
+        return [*records, planes, Parallel(planes.fused)]
     most = max_accumulators(target) // max(block // target.vector_lanes, 1)
     tile = _largest_divisor(width, tuple(range(min(8, most), 1, -1)))
-    records += [Split(m_loop, block), Split(x_loop, tile)]
+    channels, pixels = Split(m_loop, block), Split(x_loop, tile)
+    records += [channels, pixels]
     records += [
         Reorder(
             (
                 n_loop,
-                f"{m_loop}_o",
+                channels.outer,
                 y_loop,
-                f"{x_loop}_o",
+                pixels.outer,
                 *reduce_loops,
-                f"{x_loop}_i",
-                f"{m_loop}_i",
+                pixels.inner,
+                channels.inner,
             )
         )
     ]
     records += [
-        CacheWrite(conv.name, reduce_loops[0]),
-        Vectorize(f"{m_loop}_i"),
-        Unroll(f"{x_loop}_i"),
-        *_vector_tile_io(conv),
+        cache,
+        Vectorize(channels.inner),
+        Unroll(pixels.inner),
+        *_vector_tile_io(cache, len(conv.shape)),
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    records += [Fuse(f"{m_loop}_o", y_loop), Parallel(f"{m_loop}_o_{y_loop}_f")]
-    return records
+    planes = Fuse(channels.outer, y_loop)
+    return [*records, planes, Parallel(planes.fused)]
 
 
 def nchwc_conv_schedule(
@@ -196,52 +209,52 @@ def nchwc_conv_schedule(
     if config["reduce_order"] == "taps_outer":
         reduce_loops = [*taps, *(name for name in reduce_loops if name not in taps)]
     tile, chunk, blocks = int(config["tile"]), int(config["mo_chunk"]), int(config["mo_tile"])
-    records: list[Record] = [Split(x_loop, tile)]
+    pixels = Split(x_loop, tile)
+    records: list[Record] = [pixels]
     outer, inner, tile_blocks = [mo_loop], [], []
     if chunk > 1:
-        records.append(Split(mo_loop, chunk))
-        outer, inner = [f"{mo_loop}_o"], [f"{mo_loop}_i"]
+        chunked = Split(mo_loop, chunk)
+        records.append(chunked)
+        outer, inner = [chunked.outer], [chunked.inner]
     if blocks > 1:  # the register tile spans `blocks` channel blocks of the chunk
-        split = (inner or outer)[0]
-        records.append(Split(split, blocks))
+        paired = Split((inner or outer)[0], blocks)
+        records.append(paired)
         if inner:
-            inner = [f"{split}_o"]
+            inner = [paired.outer]
         else:
-            outer = [f"{split}_o"]
-        tile_blocks = [f"{split}_i"]
+            outer = [paired.outer]
+        tile_blocks = [paired.inner]
+    cache = CacheWrite(conv.name, reduce_loops[0])
     records += [
         Reorder(
             (
                 n_loop,
                 *outer,
                 *rows,
-                f"{x_loop}_o",
+                pixels.outer,
                 *inner,
                 *reduce_loops,
-                f"{x_loop}_i",
+                pixels.inner,
                 *tile_blocks,
                 mi_loop,
             )
         ),
-        CacheWrite(conv.name, reduce_loops[0]),
+        cache,
         Vectorize(mi_loop),
-        Unroll(f"{x_loop}_i"),
+        Unroll(pixels.inner),
         *(Unroll(loop) for loop in tile_blocks),
-        *_vector_tile_io(conv),
+        *_vector_tile_io(cache, rank),
     ]
     if config.get("unroll_kw") and taps:
         records.append(Unroll(taps[-1]))  # the taps along the row
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    parallel = outer[0]
-    for loop in rows:
-        records.append(Fuse(parallel, loop))
-        parallel = f"{parallel}_{loop}_f"
+    spread = [outer[0], *rows]
     chunks = conv.shape[1] // max(chunk, blocks) * math.prod(conv.shape[2 : rank - 2])
     if config["parallel"] == "mo_y_x" or chunks < 4 * target.cores:
-        records.append(Fuse(parallel, f"{x_loop}_o"))
-        parallel = f"{parallel}_{x_loop}_o_f"
-    return [*records, Parallel(parallel)]
+        spread.append(pixels.outer)
+    fused, parallel = fuse_all(spread)
+    return [*records, *fused, Parallel(parallel)]
 
 
 def _is_tap(conv: StageInfo, loop: str) -> bool:
@@ -514,10 +527,9 @@ def matmul_schedule(
     if folded:
         # A shared (packed) weight, and the rows spread over one dimension only: every batch
         # row is just another row of one GEMM (the fused index stays affine).
-        for loop in [*batch_loops[1:], i_loop]:
-            records.append(Fuse(batch_loops[0], loop))
-            batch_loops[0] = f"{batch_loops[0]}_{loop}_f"
-        i_loop, batch_loops = batch_loops[0], []
+        fused, i_loop = fuse_all([*batch_loops, i_loop])
+        records += fused
+        batch_loops = []
     # Packing per batch (an im2col conv's columns of one output row): computed in the row's
     # loop, into a buffer that stays in L1.
     pack_at = bool(batch_loops and config["pack"] and mm.note("pack_per_batch"))
@@ -529,22 +541,26 @@ def matmul_schedule(
     row_tiles = -(-rows // mr)
     if tail:
         # The batch loops stay outermost (the stage's own order) above both nests.
-        records += [Reorder((j_loop, i_loop, k_loop)), SplitOverlap(j_loop, nr, tail)]
+        columns = SplitOverlap(j_loop, nr, tail)
+        records += [Reorder((j_loop, i_loop, k_loop)), columns]
+        in_tail = columns.in_tail
         nests = [
-            _GemmNest(f"{j_loop}_o", cols // nr, f"{j_loop}_i", nr, i_loop, k_loop, ""),
-            _GemmNest(None, 1, f"{j_loop}_t", tail, f"{i_loop}_t", f"{k_loop}_t", "_t"),
+            _GemmNest(columns.outer, cols // nr, columns.inner, nr, i_loop, k_loop, ""),
+            _GemmNest(None, 1, columns.tail_loop, tail, in_tail(i_loop), in_tail(k_loop), "_t"),
         ]
     else:
-        records.append(Split(j_loop, nr))
-        nests = [_GemmNest(f"{j_loop}_o", cols // nr, f"{j_loop}_i", nr, i_loop, k_loop, "")]
+        whole = Split(j_loop, nr)
+        records.append(whole)
+        nests = [_GemmNest(whole.outer, cols // nr, whole.inner, nr, i_loop, k_loop, "")]
     parallel: list[list[tuple[str, int]]] = []
     for nest in nests:
-        tiles = [(f"{nest.rows}_o", row_tiles)]
+        row_tile = Split(nest.rows, mr)
+        tiles = [(row_tile.outer, row_tiles)]
         if nest.column_tiles is not None:
             tiles.append((nest.column_tiles, nest.column_tile_count))
         if config["order"] == "ji":
             tiles = tiles[::-1]
-        records += _gemm_tile(mm, nest, mr, [name for name, _ in tiles], target)
+        records += _gemm_tile(mm, nest, row_tile, [name for name, _ in tiles], target)
         parallel.append(tiles)
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
@@ -577,27 +593,31 @@ def _pack_at(pack: str, batch_rank: int, loop: str) -> list[Record]:
     K loop unrolled (an im2col column's channel and taps become constants) and its panel's
     lanes vectorized."""
     k, lane = batch_rank + 1, batch_rank + 2
-    return [ComputeAt(pack, loop), Unroll(f"{pack}_i{k}_at"), Vectorize(f"{pack}_i{lane}_at")]
+    at = ComputeAt(pack, loop)
+    return [at, Unroll(at.moved(f"{pack}_i{k}")), Vectorize(at.moved(f"{pack}_i{lane}"))]
 
 
 def _gemm_tile(
-    mm: StageInfo, nest: _GemmNest, mr: int, tiles: list[str], target: Target
+    mm: StageInfo, nest: _GemmNest, row_tile: Split, tiles: list[str], target: Target
 ) -> list[Record]:
-    """One nest's register tile: mr rows x `nest.width` columns of accumulators over the whole
-    reduction, vectorized along the columns, its rows and vectors unrolled."""
+    """One nest's register tile: mr rows (`row_tile`, the split of the nest's rows) x
+    `nest.width` columns of accumulators over the whole reduction, vectorized along the
+    columns, its rows and vectors unrolled."""
     lanes = target.vector_lanes
-    records: list[Record] = [Split(nest.rows, mr)]
+    records: list[Record] = [row_tile]
     inner_j = [nest.columns]
     if nest.width > lanes and nest.width % lanes == 0:
-        records.append(Split(nest.columns, lanes))
-        inner_j = [f"{nest.columns}_o", f"{nest.columns}_i"]
-    order = (*tiles, nest.reduction, f"{nest.rows}_i", *inner_j)
-    records += [Reorder(order), CacheWrite(mm.name, nest.reduction, nest.suffix)]
+        vectors = Split(nest.columns, lanes)
+        records.append(vectors)
+        inner_j = [vectors.outer, vectors.inner]
+    order = (*tiles, nest.reduction, row_tile.inner, *inner_j)
+    cache = CacheWrite(mm.name, nest.reduction, nest.suffix)
+    records += [Reorder(order), cache]
     if nest.width >= 4:
-        records += [Vectorize(inner_j[-1]), *_vector_tile_io(mm, nest.suffix)]
+        records += [Vectorize(inner_j[-1]), *_vector_tile_io(cache, len(mm.shape))]
     if len(inner_j) == 2:
         records.append(Unroll(inner_j[0]))
-    records.append(Unroll(f"{nest.rows}_i"))
+    records.append(Unroll(row_tile.inner))
     return records
 
 
@@ -606,12 +626,8 @@ def _gemm_parallel(outer: list[tuple[str, int]], batch: int, config) -> list[Rec
     them batch loops): `fused`, the batch loops and the first tile loop (without batch loops
     the tile loops) fused into one; `outer`, the outermost loop with work."""
     if config["parallel"] == "fused":
-        fused = [name for name, _ in outer[: batch + 1 if batch else 2]]
-        records: list[Record] = []
-        for name in fused[1:]:
-            records.append(Fuse(fused[0], name))
-            fused[0] = f"{fused[0]}_{name}_f"
-        return [*records, Parallel(fused[0])]
+        fused, loop = fuse_all([name for name, _ in outer[: batch + 1 if batch else 2]])
+        return [*fused, Parallel(loop)]
     loop = next((name for name, extent in outer if extent > 1), None)
     return [] if loop is None else [Parallel(loop)]
 
@@ -692,29 +708,38 @@ def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) ->
     return int(config["mr"]) * vectors + vectors <= target.vector_registers
 
 
-def row_partial_schedule(name: str, rows: int, suffix: str = "") -> list[Record]:
+def row_partial_schedule(name: str, rows: int, at: ComputeAt | None = None) -> list[Record]:
     """A row_reduce partial stage (`name`: rows x lanes, reduced over the row's whole vectors):
     the vector loop outside the lane loop, the lanes accumulated in one register (a local
-    tile), and every access a vector. `suffix`: `_at` once it is computed inside a row."""
-    lane, whole = f"{name}_i{rows}{suffix}", f"{name}_rv"
-    return [
-        Reorder((whole, lane)),
-        CacheWrite(name, whole),
-        Vectorize(lane),
-        Vectorize(f"{name}_init{rows}"),
-        Vectorize(f"{name}_wb{rows}"),
-    ]
+    tile), and every access a vector. `at`: the record that computes it inside a row."""
+    lane, whole = f"{name}_i{rows}", f"{name}_rv"
+    if at is not None:
+        lane = at.moved(lane)
+    cache = CacheWrite(name, whole)
+    return [Reorder((whole, lane)), cache, Vectorize(lane), *_vector_tile_io(cache, rows + 1)]
 
 
 def _vector_rows(loop: str, extent: int, target: Target) -> list[Record]:
     """Vectorize a pure stage's innermost loop: whole vectors, then one last vector ending at
     the loop's end when the extent is not a multiple of the lanes."""
+    return _vectorized(_vector_split(loop, extent, target))
+
+
+def _vector_split(loop: str, extent: int, target: Target) -> Split | SplitOverlap | None:
+    """The split of `loop` into vectors (see `_vector_rows`); None for less than a vector."""
     lanes = target.vector_lanes
     if extent < lanes:
+        return None
+    return Split(loop, lanes) if extent % lanes == 0 else SplitOverlap(loop, lanes)
+
+
+def _vectorized(split: Split | SplitOverlap | None) -> list[Record]:
+    """The split and its vector loops (the whole chunks' and the tail's) vectorized."""
+    if split is None:
         return []
-    if extent % lanes == 0:
-        return [Split(loop, lanes), Vectorize(f"{loop}_i")]
-    return [SplitOverlap(loop, lanes), Vectorize(f"{loop}_i"), Vectorize(f"{loop}_t")]
+    if isinstance(split, SplitOverlap):
+        return [split, Vectorize(split.inner), Vectorize(split.tail_loop)]
+    return [split, Vectorize(split.inner)]
 
 
 def row_schedule(
@@ -728,33 +753,40 @@ def row_schedule(
     of channels). Knobs: per_row."""
     rows, stats, pure = out.note("rows"), out.note("row_stages"), out.note("row_pure")
     per_row = bool(config["per_row"]) and rows > 0
-    suffix = "_at" if per_row else ""
     records: list[Record] = []
     row_loops = [out.loop(k) for k in range(rows)]
     if out.note("row_split") and per_row:
         # rows in blocks of out's loop (a group norm's group is `factor` channels)
         k, factor = out.note("row_split")
-        records.append(Split(out.loop(k), factor))
-        row_loops = [*row_loops[:k], f"{out.loop(k)}_o"]
+        blocks = Split(out.loop(k), factor)
+        records.append(blocks)
+        row_loops = [*row_loops[:k], blocks.outer]
+    at: dict[str, ComputeAt] = {}
     if per_row:
-        records += [ComputeAt(name, row_loops[-1]) for name in reversed(stats)]
+        at = {name: ComputeAt(name, row_loops[-1]) for name in stats}
+        records += [at[name] for name in reversed(stats)]
+
+    def last_loop(name: str) -> str:
+        """A row stage's innermost loop, where it runs (moved inside the row loop, per row)."""
+        loop = f"{name}_i{len(out.shape) - 1}"
+        return at[name].moved(loop) if per_row else loop
+
     for name in out.note("row_partials"):
-        records += row_partial_schedule(name, rows, suffix)
+        records += row_partial_schedule(name, rows, at[name] if per_row else None)
     # A fold's lanes one vector, its initial value stored before them: the renderer folds
     # the lanes as a tree (log2(lanes) steps), not a chain of one lane at a time.
     for name in out.note("row_folds", ()):
         records += [CacheWrite(name, f"{name}_rl"), Vectorize(f"{name}_rl")]
     for name in pure:
-        records += _vector_rows(f"{name}_i{len(out.shape) - 1}{suffix}", out.shape[-1], target)
+        records += _vector_rows(last_loop(name), out.shape[-1], target)
     if not per_row and rows > 0:
         records += [Parallel(f"{name}_i0") for name in stats]
     if len(out.shape) > rows and not out.reduce_axes:
         records += _vector_rows(out.loop(len(out.shape) - 1), out.shape[-1], target)
-    parallel = row_loops[0] if row_loops else None
-    for loop in row_loops[1:]:
-        records.append(Fuse(parallel, loop))
-        parallel = f"{parallel}_{loop}_f"
-    return records + ([Parallel(parallel)] if parallel else [])
+    if not row_loops:
+        return records
+    fused, parallel = fuse_all(row_loops)
+    return [*records, *fused, Parallel(parallel)]
 
 
 def plain_pool_schedule(
@@ -774,11 +806,13 @@ def plain_pool_schedule(
         records.append(ComputeAt(pool.note("padded"), c))
     inner = x
     if tile < width:
-        records.append(Split(x, tile))
-        inner = f"{x}_i"
-    records += [Reorder((*taps, inner)), CacheWrite(pool.name, taps[0])]
+        pixels = Split(x, tile)
+        records.append(pixels)
+        inner = pixels.inner
+    cache = CacheWrite(pool.name, taps[0])
+    records += [Reorder((*taps, inner)), cache]
     if tile > 1:
-        records += [Vectorize(inner), *_vector_tile_io(pool)]
+        records += [Vectorize(inner), *_vector_tile_io(cache, len(pool.shape))]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     return [*records, Parallel(c)]
@@ -803,15 +837,18 @@ def blocked_pool_schedule(
     tile = _largest_divisor(pool.shape[rank - 2], tuple(range(BLOCKED_POOL_TILE, 1, -1)))
     records: list[Record] = []
     padded = pool.note("padded")
-    if padded:  # its block axis, vectorized too (ComputeAt names the loops it moves `_at`)
-        records += [ComputeAt(padded, cb), Vectorize(f"{padded}_i{rank - 1}_at")]
+    if padded:  # its block axis, vectorized too
+        at = ComputeAt(padded, cb)
+        records += [at, Vectorize(at.moved(f"{padded}_i{rank - 1}"))]
+    pixels = Split(x, tile)
+    cache = CacheWrite(pool.name, taps[0])
     records += [
-        Split(x, tile),
-        Reorder((*rows, f"{x}_o", *taps, f"{x}_i", lanes)),
-        CacheWrite(pool.name, taps[0]),
+        pixels,
+        Reorder((*rows, pixels.outer, *taps, pixels.inner, lanes)),
+        cache,
         Vectorize(lanes),
-        Unroll(f"{x}_i"),
-        *_vector_tile_io(pool),
+        Unroll(pixels.inner),
+        *_vector_tile_io(cache, rank),
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
@@ -845,15 +882,16 @@ def winograd_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
     alpha^2 positions unrolled, each a short sum of those vectors; the channels one vector;
     parallel over blocks x tiles."""
     n, p, cb, tile, ci = (stage.loop(k) for k in range(5))
-    rows = stage.note("winograd_rows")
+    rows = ComputeAt(stage.note("winograd_rows"), tile)
+    tiles = Fuse(cb, tile)
     return [
         Reorder((n, cb, tile, p, ci)),
-        ComputeAt(rows, tile),
+        rows,
         *_unrolled_vectors(rows, 6),
         Unroll(p),
         Vectorize(ci),
-        Fuse(cb, tile),
-        Parallel(f"{cb}_{tile}_f"),
+        tiles,
+        Parallel(tiles.fused),
     ]
 
 
@@ -866,26 +904,30 @@ def winograd_output_schedule(
     store; parallel over output blocks x tile rows."""
     m = stage.note("winograd_output")
     n, mb, h, w, mo = (stage.loop(k) for k in range(5))
-    columns = stage.note("winograd_columns")
+    tile_rows, tile_columns = Split(h, m), Split(w, m)
+    columns = ComputeAt(stage.note("winograd_columns"), tile_columns.outer)
     records: list[Record] = [
-        Split(h, m),
-        Split(w, m),
-        Reorder((n, mb, f"{h}_o", f"{w}_o", f"{h}_i", f"{w}_i", mo)),
-        ComputeAt(columns, f"{w}_o"),
+        tile_rows,
+        tile_columns,
+        Reorder(
+            (n, mb, tile_rows.outer, tile_columns.outer, tile_rows.inner, tile_columns.inner, mo)
+        ),
+        columns,
         *_unrolled_vectors(columns, 6),
-        Unroll(f"{h}_i"),
-        Unroll(f"{w}_i"),
+        Unroll(tile_rows.inner),
+        Unroll(tile_columns.inner),
         Vectorize(mo),
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    return [*records, Fuse(mb, f"{h}_o"), Parallel(f"{mb}_{h}_o_f")]
+    rows = Fuse(mb, tile_rows.outer)
+    return [*records, rows, Parallel(rows.fused)]
 
 
-def _unrolled_vectors(stage: str, rank: int) -> list[Record]:
-    """A stage computed at a loop (its loops named `_at`): its two tile axes unrolled, its
-    channel axis (the last) one vector."""
-    loops = [f"{stage}_i{k}_at" for k in range(rank)]
+def _unrolled_vectors(at: ComputeAt, rank: int) -> list[Record]:
+    """A stage computed at a loop (`at`): its two tile axes unrolled, its channel axis (the
+    last) one vector."""
+    loops = [at.moved(f"{at.stage}_i{k}") for k in range(rank)]
     return [Unroll(loops[-3]), Unroll(loops[-2]), Vectorize(loops[-1])]
 
 
@@ -913,20 +955,22 @@ def inner_vector_reduction_schedule(
     x = stage.loop(rank - 1)
     reduce_loops = [name for name, _ in stage.reduce_axes]
     tile = _output_row_tile(stage.shape[-1], target)
-    inner = x
+    inner, row_tile = x, None
     records: list[Record] = []
     if tile < stage.shape[-1]:
-        records.append(Split(x, tile))
-        inner = f"{x}_i"
-    records += [Reorder((*reduce_loops, inner)), CacheWrite(stage.name, reduce_loops[0])]
-    records += [Vectorize(inner), *_vector_tile_io(stage)]
+        row_tile = Split(x, tile)
+        records.append(row_tile)
+        inner = row_tile.inner
+    cache = CacheWrite(stage.name, reduce_loops[0])
+    records += [Reorder((*reduce_loops, inner)), cache]
+    records += [Vectorize(inner), *_vector_tile_io(cache, rank)]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     outer = next((k for k in range(rank - 1) if stage.shape[k] > 1), None)
     if outer is not None:
         records.append(Parallel(stage.loop(outer)))
-    elif inner != x:
-        records.append(Parallel(f"{x}_o"))
+    elif row_tile is not None:
+        records.append(Parallel(row_tile.outer))
     return records
 
 
@@ -1012,14 +1056,15 @@ def generic_schedule(stage: StageInfo, target: Target) -> list[Record]:
     rank = len(stage.shape)
     if rank == 0:
         return records
-    inner = rank - 1
+    inner, vectors = rank - 1, None
     if stage.pure and stage.name not in stage.reads:
-        records += _vector_rows(stage.loop(inner), stage.shape[inner], target)
+        vectors = _vector_split(stage.loop(inner), stage.shape[inner], target)
+        records += _vectorized(vectors)
     outer = next((k for k in range(rank) if stage.shape[k] > 1), None)
-    if outer is not None and not (stage.pure and outer == inner and records):
+    if outer is not None and not (stage.pure and outer == inner and vectors is not None):
         records.append(Parallel(stage.loop(outer)))
-    elif outer is not None and records:
-        records.append(Parallel(f"{stage.loop(inner)}_o"))
+    elif outer is not None and vectors is not None:
+        records.append(Parallel(vectors.outer))
     return records
 
 
@@ -1034,29 +1079,26 @@ def unblock_schedule(stage: StageInfo, block: int, target: Target) -> list[Recor
     if stage.shape[1] <= block:  # part of one block (a 2-class head): channels innermost
         records = [Reorder((stage.loop(0), *spatial, channel)), Unroll(channel)]
         return [*records, Parallel(spatial[0])]
-    width, lanes, inner = spatial[-1], target.vector_lanes, f"{channel}_i"
-    records: list[Record] = [
-        Split(channel, block),
-        Reorder((stage.loop(0), f"{channel}_o", *spatial, inner)),
-    ]
+    width, lanes = spatial[-1], target.vector_lanes
+    blocks = Split(channel, block)
+    inner = blocks.inner
+    records: list[Record] = [blocks, Reorder((stage.loop(0), blocks.outer, *spatial, inner))]
     if stage.shape[-1] >= lanes:  # else a short row: one pixel at a time, its block unrolled
         # The block's channels inside the pixel tile, not outside it with `_vector_rows` over
         # whole rows: 1.5-2x slower measured (the tile's 16 pixels x 16 channels stay in L1).
         ragged = stage.shape[-1] % lanes
-        records += [
-            SplitOverlap(width, lanes) if ragged else Split(width, lanes),
-            Reorder((inner, f"{width}_i")),
-            Vectorize(f"{width}_i"),
-        ]
-        if ragged:
-            records += [Reorder((f"{inner}_t", f"{width}_t")), Vectorize(f"{width}_t")]
-            records.append(Unroll(f"{inner}_t"))
+        pixels = SplitOverlap(width, lanes) if ragged else Split(width, lanes)
+        records += [pixels, Reorder((inner, pixels.inner)), Vectorize(pixels.inner)]
+        if isinstance(pixels, SplitOverlap):  # the last vector's copy of the block's channels
+            tail_inner = pixels.in_tail(inner)
+            records += [Reorder((tail_inner, pixels.tail_loop)), Vectorize(pixels.tail_loop)]
+            records.append(Unroll(tail_inner))
     records.append(Unroll(inner))
-    parallel = f"{channel}_o"
-    if len(spatial) > 1:  # blocks x the outermost spatial axis: work for every thread
-        records.append(Fuse(parallel, spatial[0]))
-        parallel = f"{parallel}_{spatial[0]}_f"
-    return [*records, Parallel(parallel)]
+    if len(spatial) == 1:
+        return [*records, Parallel(blocks.outer)]
+    # blocks x the outermost spatial axis: work for every thread
+    rows = Fuse(blocks.outer, spatial[0])
+    return [*records, rows, Parallel(rows.fused)]
 
 
 ANCHOR_OPS = ("Conv", "MatMul", "Gemm")

@@ -3,7 +3,9 @@
 A schedule is a list of records (`Split("c_i0", 4)`, `Vectorize("c_i1_i")`, ...). `apply`
 replays them in order on a lowered function and raises `ScheduleError`, naming the record,
 for anything illegal. Loops are named by their variables; a split of `x` makes `x_o` and
-`x_i`, a fuse of `x` and `y` makes `x_y_f`.
+`x_i`, a fuse of `x` and `y` makes `x_y_f`. A record names the loops it makes (`Split.outer`,
+`Fuse.fused`, `CacheWrite.store_loop(d)`...): its primitive names them so, and a schedule that
+addresses them uses those names, not names rebuilt by hand.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ class Split:
     loop: str
     factor: int
 
+    @property
+    def outer(self) -> str:
+        """The loop over the chunks."""
+        return f"{self.loop}_o"
+
+    @property
+    def inner(self) -> str:
+        """The loop inside a chunk."""
+        return f"{self.loop}_i"
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitOverlap:
@@ -78,6 +90,25 @@ class SplitOverlap:
     factor: int
     tail: int = 0
 
+    @property
+    def outer(self) -> str:
+        """The loop over the whole chunks."""
+        return f"{self.loop}_o"
+
+    @property
+    def inner(self) -> str:
+        """The loop inside a whole chunk."""
+        return f"{self.loop}_i"
+
+    @property
+    def tail_loop(self) -> str:
+        """The loop over the tail chunk."""
+        return self.in_tail(self.loop)
+
+    def in_tail(self, loop: str) -> str:
+        """The name of `loop`, a loop inside the split one, in the tail chunk's copy."""
+        return f"{loop}_t"
+
 
 @dataclasses.dataclass(frozen=True)
 class Reorder:
@@ -88,6 +119,11 @@ class Reorder:
 class Fuse:
     outer: str
     inner: str
+
+    @property
+    def fused(self) -> str:
+        """The loop that replaces the two."""
+        return f"{self.outer}_{self.inner}_f"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +160,11 @@ class ComputeAt:
     stage: str
     loop: str
 
+    def moved(self, loop: str) -> str:
+        """The name of `loop`, a spatial loop of the stage's own nest, once moved inside
+        `self.loop` (it then walks the region one iteration reads)."""
+        return f"{loop}_at"
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheWrite:
@@ -141,6 +182,26 @@ class CacheWrite:
     loop: str
     suffix: str = ""
     accumulate: bool = False
+
+    @property
+    def local(self) -> str:
+        """The name of the local buffer."""
+        return f"{self.stage}{self.suffix}_local"
+
+    def init_loop(self, d: int) -> str:
+        """The loop of the buffer's fill with the initial value over the tile's axis `d`."""
+        return self._tile_loop("init", d)
+
+    def reload_loop(self, d: int) -> str:
+        """The loop of the reload of the partial sums (`accumulate`) over the axis `d`."""
+        return self._tile_loop("rl", d)
+
+    def store_loop(self, d: int) -> str:
+        """The loop of the store of the buffer to memory over the tile's axis `d`."""
+        return self._tile_loop("wb", d)
+
+    def _tile_loop(self, label: str, d: int) -> str:
+        return f"{self.stage}{self.suffix}_{label}{d}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,8 +363,8 @@ def split(func: PrimFunc, r: Split) -> PrimFunc:
         raise ScheduleError(f"{r}: factor must be positive")
     if r.factor > loop.extent:
         raise ScheduleError(f"{r}: factor {r.factor} exceeds the extent {loop.extent}")
-    outer = _fresh_loop_name(func, f"{r.loop}_o", r)
-    inner = _fresh_loop_name(func, f"{r.loop}_i", r)
+    outer = _fresh_loop_name(func, r.outer, r)
+    inner = _fresh_loop_name(func, r.inner, r)
     index = Binary("add", Binary("mul", outer, Const(r.factor, INDEX)), inner)
     body = substitute(loop.body, {r.loop: index})
     if loop.extent % r.factor:
@@ -326,31 +387,32 @@ def split_overlap(func: PrimFunc, r: SplitOverlap) -> PrimFunc:
         raise ScheduleError(
             f"{r}: an iteration reads what it did not write; overlap would repeat it"
         )
-    outer = _fresh_loop_name(func, f"{r.loop}_o", r)
-    inner = _fresh_loop_name(func, f"{r.loop}_i", r)
-    tail = _fresh_loop_name(func, f"{r.loop}_t", r)
+    outer = _fresh_loop_name(func, r.outer, r)
+    inner = _fresh_loop_name(func, r.inner, r)
+    tail = _fresh_loop_name(func, r.tail_loop, r)
     whole = loop.extent // r.factor
     index = Binary("add", Binary("mul", outer, Const(r.factor, INDEX)), inner)
     new: Stmt = For(outer, whole, For(inner, r.factor, substitute(loop.body, {r.loop: index})))
     if remainder:
         start = Const(loop.extent - size, INDEX)
-        body = _renamed_loops(substitute(loop.body, {r.loop: Binary("add", start, tail)}), "_t")
+        body = substitute(loop.body, {r.loop: Binary("add", start, tail)})
+        body = _renamed_loops(body, r.in_tail)
         for name in {s.var.name for s in walk_stmts(body) if isinstance(s, For)}:
             _fresh_loop_name(func, name, r)
         new = seq(new, For(tail, size, body))
     return _with_body(func, replace_stmt(func.body, loop, new))
 
 
-def _renamed_loops(body: Stmt, suffix: str) -> Stmt:
-    """`body` with every loop it holds renamed `name + suffix` (and every use of its var)."""
+def _renamed_loops(body: Stmt, renamed: Callable[[str], str]) -> Stmt:
+    """`body` with every loop it holds renamed `renamed(name)` (and every use of its var)."""
     names = {s.var.name for s in walk_stmts(body) if isinstance(s, For)}
     if not names:
         return body
-    body = substitute(body, {name: Var(name + suffix) for name in names})
+    body = substitute(body, {name: Var(renamed(name)) for name in names})
 
     def rename(s: Stmt):
         if isinstance(s, For) and s.var.name in names:
-            return dataclasses.replace(s, var=Var(s.var.name + suffix))
+            return dataclasses.replace(s, var=Var(renamed(s.var.name)))
         return None
 
     return map_stmt(body, stmt_fn=rename)
@@ -439,7 +501,7 @@ def fuse(func: PrimFunc, r: Fuse) -> PrimFunc:
     inner = outer.body
     if not isinstance(inner, For) or inner.var.name != r.inner:
         raise ScheduleError(f"{r}: {r.inner!r} is not the loop directly inside {r.outer!r}")
-    fused = _fresh_loop_name(func, f"{r.outer}_{r.inner}_f", r)
+    fused = _fresh_loop_name(func, r.fused, r)
     extent = Const(inner.extent, INDEX)
     body = substitute(
         inner.body,
@@ -693,7 +755,7 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
     ranges = _enclosing_ranges(func, target) | {target.var.name: target.extent}
     mapping, guards, loops = {}, [], []
     for loop, start, extent, size in zip(spatial, starts, extents, buffer.shape, strict=True):
-        local = Var(f"{loop.var.name}_at")
+        local = Var(r.moved(loop.var.name))
         index = Binary("add", start, local)
         mapping[loop.var.name] = index
         loops.append((local, extent))
@@ -809,12 +871,9 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     inside = _inner_ranges(target)
     starts, extents = _region(target, buffer, inside)
     order = _tile_dim_order(target, buffer)
-    name = f"{buffer.name}{r.suffix}"
-    if any(
-        isinstance(s, Allocate) and s.buffer.name == f"{name}_local" for s in walk_stmts(func.body)
-    ):
-        raise ScheduleError(f"{r}: {name}_local exists; give this nest's cache its own suffix")
-    local = Buffer(f"{name}_local", tuple(extents[d] for d in order), buffer.dtype, "local")
+    if any(isinstance(s, Allocate) and s.buffer.name == r.local for s in walk_stmts(func.body)):
+        raise ScheduleError(f"{r}: {r.local} exists; give this nest's cache its own suffix")
+    local = Buffer(r.local, tuple(extents[d] for d in order), buffer.dtype, "local")
     stripped, init_value, first_visit = _without_reduction_init(target, buffer, set(inside), r)
     # Loops over a small tile are unrolled, so that its indices are constants and LLVM keeps
     # the whole tile in registers.
@@ -836,11 +895,11 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
     computed = map_stmt(stripped, redirect_expr, redirect_stmt)
     ranges = _enclosing_ranges(func, target)
 
-    def tile_nest(label: str, make, guarded: bool = True) -> Stmt:
-        """A nest over the local tile (loops `{name}_{label}{d}`) of `make(local index,
-        buffer index)`; `guarded`: where the region runs past the buffer (a cropped tile),
-        only the elements inside it."""
-        tile = [Var(f"{name}_{label}{k}") for k in range(len(extents))]
+    def tile_nest(loop_name: Callable[[int], str], make, guarded: bool = True) -> Stmt:
+        """A nest over the local tile (its loop over axis d named `loop_name(d)`) of
+        `make(local index, buffer index)`; `guarded`: where the region runs past the buffer
+        (a cropped tile), only the elements inside it."""
+        tile = [Var(loop_name(k)) for k in range(len(extents))]
         index = tuple(Binary("add", starts[d], tile[order.index(d)]) for d in range(len(starts)))
         body = make(tuple(tile), index)
         for i, s, e, size in zip(index, starts, extents, buffer.shape, strict=True):
@@ -851,12 +910,12 @@ def cache_write(func: PrimFunc, r: CacheWrite) -> PrimFunc:
         return body
 
     if init_value is not None:  # the first reduction step's store, done once up front
-        fill = tile_nest("init", lambda tile, _: Store(local, tile, init_value), guarded=False)
+        fill = tile_nest(r.init_loop, lambda tile, _: Store(local, tile, init_value), guarded=False)
         if first_visit is not None:  # later visits add to the partial sums stored so far
-            reload = tile_nest("rl", lambda tile, index: Store(local, tile, Load(buffer, index)))
+            reload = tile_nest(r.reload_loop, lambda tile, ix: Store(local, tile, Load(buffer, ix)))
             fill = seq(fill, IfThenElse(Unary("not", first_visit), reload))
         computed = seq(fill, computed)
-    copy = tile_nest("wb", lambda tile, index: Store(buffer, index, Load(local, tile)))
+    copy = tile_nest(r.store_loop, lambda tile, index: Store(buffer, index, Load(local, tile)))
     new = Allocate(local, seq(computed, copy))
     return _with_body(func, replace_stmt(func.body, target, new))
 

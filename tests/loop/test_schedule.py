@@ -231,6 +231,38 @@ def test_nested_parallel_is_refused():
         apply(BASE, [Parallel("c_i0"), Parallel("c_i1")])
 
 
+def _loops(func) -> set[str]:
+    return {s.var.name for s in walk_stmts(func.body) if isinstance(s, For)}
+
+
+def _made_by(record, before=()) -> set[str]:
+    """The loops `record` makes, applied after the records `before`."""
+    func = apply(BASE, list(before))
+    return _loops(apply(func, [record])) - _loops(func)
+
+
+def test_records_name_the_loops_their_primitives_make():
+    """Templates address the loops a record makes through its handles (`Split.outer`,
+    `Fuse.fused`...): they name exactly the loops its primitive makes."""
+    split = Split("c_i1", 4)
+    assert _made_by(split) == {split.outer, split.inner}
+    fuse = Fuse("d_i0", "d_i1")
+    assert _made_by(fuse) == {fuse.fused}
+    overlap = SplitOverlap("c_i1", 3)
+    tail = {overlap.tail_loop, overlap.in_tail("c_kk")}
+    assert _made_by(overlap) == {overlap.outer, overlap.inner, *tail}
+    at = ComputeAt("e", "d_i0")
+    assert _made_by(at) == {at.moved("e_i0"), at.moved("e_i1")}
+    cache = CacheWrite("c", "c_kk_i", suffix="_b", accumulate=True)
+    blocks = [*K_BLOCKS, Reorder(("c_i0", "c_kk_o", "c_i1_o", "c_kk_i", "c_i1_i"))]
+    nests = (cache.init_loop, cache.reload_loop, cache.store_loop)
+    assert _made_by(cache, blocks) == {loop(d) for loop in nests for d in range(2)}
+    from compiler_core.loop.ir import Allocate
+
+    func = apply(BASE, [*blocks, cache])
+    assert cache.local in {s.buffer.name for s in walk_stmts(func.body) if isinstance(s, Allocate)}
+
+
 def test_records_round_trip_through_json():
     schedule = [Split("c_i0", 2), Reorder(("c_i0_o", "c_i1")), CacheWrite("c", "c_kk")]
     assert from_json(to_json(schedule)) == schedule
