@@ -3,7 +3,8 @@
     .venv/bin/kiln tune ../shared/models/resnet18.onnx --time-budget 12m \
         --log build/tuning/resnet18.jsonl                      # once per machine: the source
     .venv/bin/python -m bench.transfer [--model mobilenet_v2] [--source build/tuning/resnet18.jsonl]
-                                       [--trials 320] [--seeds 1]
+                                       [--trials 320] [--seeds 1] [--keep-logs DIR]
+    .venv/bin/python -m bench.transfer --from-logs DIR    # the readings of kept sessions again
 
 Both sessions are the tuner as `kiln tune` runs it (real measurements, the same trial budget
 and seed), each on a fresh log of its own; the warm one also learns from `--source` (read
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -46,12 +48,16 @@ from tests.conftest import shared_model
 
 GOAL = 0.95
 SETTLE_SECONDS = 2.0
+KINDS = ("cold", "warm")
 
 
-def tune_sessions(tasks: list[Task], trials: int, seed: int, source: Path) -> dict[str, list]:
+def tune_sessions(
+    tasks: list[Task], trials: int, seed: int, source: Path, keep: Path | None = None
+) -> dict[str, list]:
     """Tune `tasks` twice from fresh logs, cold and warm (learning from `source` first),
     alternating batches so that both see the same machine (a shared one drifts by several
-    percent over minutes); each session's records in the order they were measured."""
+    percent over minutes); each session's records in the order they were measured. `keep`:
+    a folder to copy the two logs to (`session_logs` reads them back)."""
     target = host_target()
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-transfer-")))
@@ -82,7 +88,19 @@ def tune_sessions(tasks: list[Task], trials: int, seed: int, source: Path) -> di
             f"in {time.monotonic() - started:.0f} s",
             flush=True,
         )
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for kind in tuners:
+                shutil.copyfile(tmp / f"{kind}.jsonl", keep / f"{kind}.jsonl")
         return {kind: tuner.log.records() for kind, tuner in tuners.items()}
+
+
+def session_logs(folder: Path) -> list[dict[str, list]]:
+    """The sessions `--keep-logs` kept under `folder` (seed0/, seed1/...), by seed."""
+    seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[len("seed") :]))
+    if not seeds:
+        raise SystemExit(f"{folder}: no seed*/ folders of kept sessions")
+    return [{kind: FileLog(d / f"{kind}.jsonl").records() for kind in KINDS} for d in seeds]
 
 
 def fastest_costs(sessions: list[list[TuningRecord]]) -> dict[tuple[str, str], float]:
@@ -133,52 +151,61 @@ def main() -> None:
     parser.add_argument("--source", type=Path, default=Path("build/tuning/resnet18.jsonl"))
     parser.add_argument("--trials", type=int, default=320)
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--keep-logs", type=Path, help="copy each session's log under here")
+    parser.add_argument("--from-logs", type=Path, help="read kept sessions instead of tuning")
     parser.add_argument("--json", type=Path, default=Path("bench/transfer.json"))
     args = parser.parse_args()
     graph = optimize(import_model(str(shared_model(args.model))))
     tasks = extract_tasks(graph)
-    print(f"CPU: {cpu_name()}; {args.model}: {len(tasks)} tasks, {args.trials} trials a session")
-    curves = {"cold": [], "warm": []}
-    for seed in range(args.seeds):
-        time.sleep(SETTLE_SECONDS)
-        sessions = tune_sessions(tasks, args.trials, seed, args.source)
-        fastest = fastest_costs(list(sessions.values()))
-        for kind, records in sessions.items():
-            curves[kind].append(latency_curve(tasks, records, fastest))
+    if args.from_logs:
+        runs = session_logs(args.from_logs)
+    else:
+        print(f"CPU: {cpu_name()}; {args.model}: {len(tasks)} tasks, {args.trials} trials each")
+        runs = []
+        for seed in range(args.seeds):
+            time.sleep(SETTLE_SECONDS)
+            keep = args.keep_logs / f"seed{seed}" if args.keep_logs else None
+            runs.append(tune_sessions(tasks, args.trials, seed, args.source, keep))
     report = {"cpu": cpu_name(), "model": args.model, "source": str(args.source), "seeds": []}
-    for seed in range(args.seeds):
-        cold, warm = curves["cold"][seed], curves["warm"][seed]
-        final = min(cold[-1], warm[-1])
-        row = {"final_ms": final * 1e3, "default_ms": cold[0] * 1e3}
-        bounds = {
-            "speed": lambda curve, final=final: final / GOAL,
-            "gain": lambda curve, final=final: curve[0] - GOAL * (curve[0] - final),
-        }
-        for reading, bound_of in bounds.items():
-            row[reading] = {
-                kind: trials_to(c, bound_of(c)) for kind, c in (("cold", cold), ("warm", warm))
-            }
-        row["curves_ms"] = {
-            kind: [round(v * 1e3, 4) for v in c[:: max(len(c) // 40, 1)]]
-            for kind, c in (("cold", cold), ("warm", warm))
-        }
-        report["seeds"].append(row)
-        print(
-            f"seed {seed}: defaults {cold[0] * 1e3:.3f} ms (cold) {warm[0] * 1e3:.3f} ms (warm), "
-            f"final {cold[-1] * 1e3:.3f} / {warm[-1] * 1e3:.3f} ms"
-        )
-        for reading in ("speed", "gain"):
-            trials = row[reading]
-            ratio = trials["warm"] / max(trials["cold"], 1)
-            print(
-                f"  {GOAL:.0%} of the final quality ({reading}): cold {trials['cold']} trials, "
-                f"warm {trials['warm']} ({ratio:.2f} of cold)"
-            )
+    for seed, sessions in enumerate(runs):
+        fastest = fastest_costs(list(sessions.values()))
+        cold, warm = (latency_curve(tasks, sessions[kind], fastest) for kind in KINDS)
+        report["seeds"].append(seed_report(seed, cold, warm))
     for reading in ("speed", "gain"):
         ratios = [r[reading]["warm"] / max(r[reading]["cold"], 1) for r in report["seeds"]]
         print(f"{reading}: warm/cold trials, median over seeds {statistics.median(ratios):.2f}")
     args.json.write_text(json.dumps(report, indent=1))
     print(f"results: {args.json}")
+
+
+def seed_report(seed: int, cold: list[float], warm: list[float]) -> dict:
+    """One seed's readings (trials to 95% of the final quality, both ways), printed."""
+    final = min(cold[-1], warm[-1])
+    row = {"final_ms": final * 1e3, "default_ms": cold[0] * 1e3}
+    bounds = {
+        "speed": lambda curve: final / GOAL,
+        "gain": lambda curve: curve[0] - GOAL * (curve[0] - final),
+    }
+    for reading, bound_of in bounds.items():
+        row[reading] = {
+            kind: trials_to(c, bound_of(c)) for kind, c in (("cold", cold), ("warm", warm))
+        }
+    row["curves_ms"] = {
+        kind: [round(v * 1e3, 4) for v in c[:: max(len(c) // 40, 1)]]
+        for kind, c in (("cold", cold), ("warm", warm))
+    }
+    print(
+        f"seed {seed}: defaults {cold[0] * 1e3:.3f} ms (cold) {warm[0] * 1e3:.3f} ms (warm), "
+        f"final {cold[-1] * 1e3:.3f} / {warm[-1] * 1e3:.3f} ms"
+    )
+    for reading in ("speed", "gain"):
+        trials = row[reading]
+        ratio = trials["warm"] / max(trials["cold"], 1)
+        print(
+            f"  {GOAL:.0%} of the final quality ({reading}): cold {trials['cold']} trials, "
+            f"warm {trials['warm']} ({ratio:.2f} of cold)"
+        )
+    return row
 
 
 if __name__ == "__main__":
