@@ -314,6 +314,8 @@ def cmd_tune(args) -> int:
         tuner.run(trials=args.trials, time_budget=budget, progress=progress, retime=True)
         if tuner.retimings:
             print(f"re-timed each task's best configs and default: {tuner.retimings} runs")
+        if tuner.model.trained:
+            print(f"cost model: {_model_summary(tuner.model)}")
         if not target.is_gpu:
             _check_in_model(graph, target, tasks, log, measurer, args.threads)
         if args.export_best:
@@ -338,6 +340,14 @@ def cmd_tune(args) -> int:
         print(f"build with: kiln compile {args.model} --target '{target}' --tuning {args.log} "
               "-o model.kiln")  # fmt: skip
     return 0
+
+
+def _model_summary(model) -> str:
+    """The objective the cost model kept, its rounds, and how each objective's top picks ran
+    on held-out records at the last fit."""
+    held_out = ", ".join(f"{o} {q:.2f}" for o, q in model.held_out_quality.items())
+    compared = f"; held-out top picks at {held_out} of the best" if held_out else ""
+    return f"{model.chosen}, {model.rounds} boosting rounds{compared}"
 
 
 def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
