@@ -363,14 +363,12 @@ class TuningLog(abc.ABC):
         template_version: int | None = None,
     ) -> list[TuningRecord]:
         """The ok records `best` chooses from, fastest first (earlier first on equal cost)."""
-        candidates = [
+        return _ranked(
             record
             for record in self.records(workload_key, fingerprint)
-            if math.isfinite(record.cost)
-            and template in (None, record.template)
+            if template in (None, record.template)
             and template_version in (None, record.template_version)
-        ]
-        return sorted(_deciding(candidates), key=lambda record: record.cost)
+        )
 
     def measured(self, workload_key: str, fingerprint: str) -> set[str]:
         """Config keys already recorded for a task, ok or failed: a resumed tuner skips them."""
@@ -389,14 +387,17 @@ def best_records(records: Iterable[TuningRecord]) -> list[TuningRecord]:
     records = list(records)
     groups: dict[tuple, list[TuningRecord]] = {}
     for record in records:
-        if math.isfinite(record.cost):
-            group = (record.workload_key, record.fingerprint, record.template)
-            groups.setdefault((*group, record.template_version), []).append(record)
-    chosen = {
-        id(min(_deciding(candidates), key=lambda record: record.cost))
-        for candidates in groups.values()
-    }
+        group = (record.workload_key, record.fingerprint, record.template)
+        groups.setdefault((*group, record.template_version), []).append(record)
+    chosen = {id(ranked[0]) for ranked in map(_ranked, groups.values()) if ranked}
     return [record for record in records if id(record) in chosen]
+
+
+def _ranked(records: Iterable[TuningRecord]) -> list[TuningRecord]:
+    """One workload's ok records that decide its best (`_deciding`), fastest first and the
+    earlier first on equal cost: the rule of `TuningLog.ranked` and `best_records` alike."""
+    candidates = [record for record in records if math.isfinite(record.cost)]
+    return sorted(_deciding(candidates), key=lambda record: record.cost)
 
 
 def _deciding(candidates: list[TuningRecord]) -> list[TuningRecord]:
