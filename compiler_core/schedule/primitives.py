@@ -59,10 +59,11 @@ class ScheduleError(ValueError):
     """A schedule record that cannot be applied; says which and why."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Split:
+class _Chunked:
+    """The loops a split of `self.loop` into chunks makes: one over the (whole) chunks and one
+    inside a chunk."""
+
     loop: str
-    factor: int
 
     @property
     def outer(self) -> str:
@@ -76,7 +77,13 @@ class Split:
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitOverlap:
+class Split(_Chunked):
+    loop: str
+    factor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitOverlap(_Chunked):
     """Split `loop` into `loop_o` x `loop_i` over its whole `factor`-sized chunks, and cover
     the remainder with one more chunk of `tail` iterations (`factor` when 0), `loop_t`, that
     ends at the loop's end (it may overlap the last whole chunk): a row of 197 is 24 vectors
@@ -89,16 +96,6 @@ class SplitOverlap:
     loop: str
     factor: int
     tail: int = 0
-
-    @property
-    def outer(self) -> str:
-        """The loop over the whole chunks."""
-        return f"{self.loop}_o"
-
-    @property
-    def inner(self) -> str:
-        """The loop inside a whole chunk."""
-        return f"{self.loop}_i"
 
     @property
     def tail_loop(self) -> str:
