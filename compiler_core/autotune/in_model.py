@@ -104,6 +104,7 @@ def _profile_rounds(graph: Graph, builds, rounds: int) -> list[list[dict[str, fl
     """Per build, per round: {group name: its kernel's median seconds}. Kernels run in the
     graph's group order (the plan's), so a profile's rows are the groups'."""
     feeds = random_inputs(graph.input_signature())
+    groups = [group.name for group in graph.groups]
     for module in builds:  # warm-up: first-touch pages, lazy symbol binding
         module.profile(feeds, 1)
     taken: list[list[dict[str, float]]] = [[] for _ in builds]
@@ -111,7 +112,6 @@ def _profile_rounds(graph: Graph, builds, rounds: int) -> list[list[dict[str, fl
         order = range(len(builds))
         for k in reversed(order) if round_ % 2 else order:
             rows = builds[k].profile(feeds, IN_MODEL_REPEATS)
-            groups = [group.name for group in graph.groups]
             taken[k].append({g: seconds for g, (_, seconds) in zip(groups, rows, strict=True)})
     return taken
 
