@@ -5,7 +5,9 @@ a few hundred points; a conv with several algorithms has each one's). Each round
 batch: the configs the cost model ranks fastest among a bounded set of unvisited candidates
 (SCORED_PER_ROUND: neighbours, one knob apart, of the best configs measured so far, and a
 random sample of the rest), the default point while it is unmeasured, and an epsilon share
-picked at random so the model keeps seeing the space it ranks badly. The model is
+picked at random so the model keeps seeing the space it ranks badly; a task's first batch
+also holds the configs that ran best on other workloads of its template (`Tuner._proven`),
+which carries over what the model's features do not. The model is
 retrained on every ok measurement of the session and of the log for this target: this
 model's tasks, and every other workload's records that carry their features, in the log or
 in read-only logs given as `transfer_from` (transfer: a model trained on ResNet's convs ranks
@@ -28,7 +30,7 @@ from compiler_core.autotune.cost_model import CostModel
 from compiler_core.autotune.features import FEATURE_COUNT, FEATURE_SET, extract
 from compiler_core.autotune.measure import Measurer, Result
 from compiler_core.autotune.records import TuningLog, TuningRecord
-from compiler_core.autotune.tasks import Task, config_key
+from compiler_core.autotune.tasks import ALGORITHM, DIRECT, Task, config_key
 from compiler_core.schedule.primitives import apply
 from compiler_core.target import Target
 
@@ -47,6 +49,15 @@ IMPROVEMENT = 0.99
 # best is the fastest measurement of each config, so one quiet measurement each settles it.
 RETIME_TOP = 3
 RETIME_ROUNDS = 2
+# A task's first batch also measures the configs that ran best on other workloads of its
+# template (this session's and the logs' on this machine), mapped into its space: the same
+# register tile, loop order and parallel axis tend to win across layers of one kind, and the
+# cost model, which learns what fast programs look like, ranks another workload's space
+# poorly (trained on all but one of ResNet-18's workloads, it ranks the held-out one's
+# configs with a Spearman correlation of 0.2). Configs within PROVEN_MARGIN of a workload's
+# best count as its proven ones; the configs proven on the most workloads come first.
+PROVEN_SLOTS = 2
+PROVEN_MARGIN = 0.97
 
 
 @dataclasses.dataclass
@@ -104,6 +115,7 @@ class Tuner:
         self.model = model or CostModel(seed=seed)
         self.compiler_version = compiler_version
         self.states = [TaskState(task, task.space()) for task in tasks]
+        self._sources = tuple(transfer_from)
         self.trials = 0
         self.retimings = 0  # measurements `retime` took
         self._measuring = (0, 0.0)  # (configs, seconds): the rate a re-timing is planned at
@@ -253,26 +265,70 @@ class Tuner:
 
     def _choose(self, state: TaskState, count: int) -> list[dict]:
         """The next batch: the configs the model ranks fastest among the candidates (when it
-        is trained), the default point while it is unmeasured, and an epsilon share at
-        random (all of the batch before the model has anything to learn from)."""
+        is trained), the default point while it is unmeasured, in a task's first batch the
+        configs proven on other workloads of its template (`_proven`), and an epsilon share
+        at random (all the rest of the batch before the model has anything to learn from)."""
         default = state.task.default_config()
         default_due = config_key(default) not in state.visited
         rest = [c for c in state.unvisited() if c != default]
+        proven = self._proven(state, rest)[: max(count - 2, 0)] if state.trials == 0 else []
+        taken = {config_key(c) for c in proven}
+        rest = [c for c in rest if config_key(c) not in taken]
         greedy: list[dict] = []
         if self.model.trained and rest:
-            explore = max(1, round(count * self.epsilon))
+            slots = count - int(default_due) - len(proven)
+            # proven configs explore beyond the model too: the model keeps one pick at least
+            explore = max(1, round(count * self.epsilon)) if not proven else 0
             candidates = self._candidates(state, rest)
             scores = self.model.predict(np.stack([self._features(state, c) for c in candidates]))
             ranked = [candidates[k] for k in np.argsort(-scores)]
-            greedy = ranked[: max(count - int(default_due) - explore, 0)]
+            greedy = ranked[: max(slots - explore, 0)]
             picked = {config_key(c) for c in greedy}
             rest = [c for c in rest if config_key(c) not in picked]
         self.rng.shuffle(rest)
         # A trained model's first pick is measured first: the default's cost is only wanted
         # as the baseline, in the same batch.
-        chosen = greedy[:1] + ([default] if default_due else []) + greedy[1:]
+        chosen = greedy[:1] + ([default] if default_due else []) + proven + greedy[1:]
         chosen += rest[: count - len(chosen)]
         return chosen[:count]
+
+    def _proven(self, state: TaskState, rest: list[dict]) -> list[dict]:
+        """Configs of `rest` that ran within PROVEN_MARGIN of the best on other workloads of
+        the task's template and version, on this machine (in the log or the logs to learn
+        from), each mapped into the task's space (`_project`); the ones proven on the most
+        workloads first, then on the nearest to their best. At most PROVEN_SLOTS."""
+        task = state.task
+        if not rest:
+            return []
+        domains = _knob_domains(state.space)
+        index = {config_key(_plain(c)): c for c in rest}
+        proven: dict[str, dict[str, float]] = {}  # workload -> config key -> best/cost
+        for log in (self.log, *self._sources):
+            workloads = {
+                r.workload_key
+                for r in log.records(fingerprint=self.fingerprint)
+                if r.template == task.template and r.workload_key != task.key
+            }
+            for workload in sorted(workloads):
+                ranked = log.ranked(
+                    workload, self.fingerprint, task.template, task.template_version
+                )
+                near = proven.setdefault(workload, {})
+                for record in ranked:
+                    share = ranked[0].cost / record.cost
+                    if share < PROVEN_MARGIN:
+                        break
+                    projected = _project(record.config, domains)
+                    key = config_key(projected) if projected is not None else None
+                    if key in index:
+                        near[key] = max(near.get(key, 0.0), share)
+        votes: dict[str, tuple[int, float]] = {}
+        for near in proven.values():
+            for key, share in near.items():
+                count, total = votes.get(key, (0, 0.0))
+                votes[key] = (count + 1, total + share)
+        ordered = sorted(votes, key=lambda key: votes[key], reverse=True)
+        return [index[key] for key in ordered[:PROVEN_SLOTS]]
 
     def _candidates(self, state: TaskState, rest: list[dict]) -> list[dict]:
         """What the model ranks this batch (a bounded number: every candidate's features
@@ -385,6 +441,58 @@ def estimated_time(tasks: Iterable[tuple[int, float | None]]) -> float | None:
     if not tasks or not all(cost is not None and math.isfinite(cost) for _, cost in tasks):
         return None
     return sum(weight * cost for weight, cost in tasks)
+
+
+def _knob_domains(space: Sequence[dict]) -> dict[tuple, dict[str, list]]:
+    """The values each knob takes in a space, per kind of config (`_kind`: a Winograd
+    variant has its own tile knobs)."""
+    domains: dict[tuple, dict[str, set]] = {}
+    for config in space:
+        config = _plain(config)
+        for knob, value in config.items():
+            domains.setdefault(_kind(config), {}).setdefault(knob, set()).add(value)
+    return {
+        kind: {knob: sorted(values, key=str) for knob, values in knobs.items()}
+        for kind, knobs in domains.items()
+    }
+
+
+def _plain(config: dict) -> dict:
+    """A config without ALGORITHM when it names the direct one: a workload with one
+    algorithm has no such knob, and its direct configs compare with another's."""
+    return {k: v for k, v in config.items() if not (k == ALGORITHM and v == DIRECT)}
+
+
+def _kind(config: dict) -> tuple:
+    return (config.get(ALGORITHM), tuple(sorted(config)))
+
+
+def _project(config: dict, domains: dict[tuple, dict[str, list]]) -> dict | None:
+    """`config` (as `_plain` has it) with each numeric knob this space cannot take moved to
+    the nearest value it can (another layer's 28-pixel row tile onto a 14-pixel row: 14);
+    None when the space has no configs of its kind, or when a knob takes a name the space
+    lacks or differs from a knob the space fixes to one value: the config comes from
+    another kind of layer (a 1x1 conv's 2-block tiles say nothing of a depthwise conv,
+    whose tiles hold one block)."""
+    config = _plain(config)
+    knobs = domains.get(_kind(config))
+    if knobs is None:
+        return None
+    projected = {}
+    for knob, value in config.items():
+        values = knobs[knob]
+        if value in values:
+            projected[knob] = value
+            continue
+        numbers = [v for v in values if _is_number(v)]
+        if not _is_number(value) or len(values) < 2 or not numbers:
+            return None
+        projected[knob] = min(numbers, key=lambda v: (abs(v - value), v))
+    return projected
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _one_knob_apart(a: dict, b: dict) -> bool:

@@ -288,6 +288,65 @@ def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, meas
         assert not Tuner([dense], target, stale, measurer).model.trained
 
 
+def wide_conv_model():
+    """conv_model's conv on a 10-pixel row: the same template, another workload."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["z"]),
+    ]
+    return make_model(
+        nodes, [("x", FLOAT, [1, 16, 10, 10])], [("z", FLOAT, [1, 16, 10, 10])], {"w": CONV_W}
+    )
+
+
+def test_a_first_batch_measures_the_configs_proven_on_other_workloads(tmp_path, target, measurer):
+    """Configs that ran within PROVEN_MARGIN of the best on other workloads of the template
+    (mapped into this space) join a task's first batch, the one proven on most workloads
+    first; a config at twice a workload's best is not proven."""
+    small, wide = tasks_of(conv_model())[0], tasks_of(wide_conv_model())[0]
+    assert small.template == wide.template and small.key != wide.key
+    space = wide.space()
+    default = wide.default_config()
+    others = [c for c in space if c != default]
+    favourite, runner_up, slow = others[-1], others[len(others) // 2], others[0]
+
+    def records(task, timings):
+        return [
+            search.measured_record(task, config, search.Result(costs=(cost,)), measurer)
+            for config, cost in timings
+        ]
+
+    with FileLog(tmp_path / "t.jsonl") as log:
+        # Two other workloads (the same configs under another key count as another workload).
+        log.extend(records(small, [(favourite, 1.0), (runner_up, 1.02), (slow, 2.0)]))
+        other = dataclasses.replace(small, key="another-workload")
+        log.extend(records(other, [(slow, 3.0), (favourite, 1.0)]))
+        tuner = Tuner([wide], target, log, measurer, batch=4, seed=0)
+        (state,) = tuner.states
+        rest = [c for c in space if c != default]
+        assert tuner._proven(state, rest) == [favourite, runner_up]
+        assert tuner._choose(state, 4)[:3] == [default, favourite, runner_up]
+
+
+def test_a_proven_config_is_mapped_to_the_nearest_value_of_each_numeric_knob():
+    space = [{"tile": 7, "order": "ij", "blocks": 1}, {"tile": 14, "order": "ji", "blocks": 1}]
+    domains = search._knob_domains(space)
+    project = search._project
+    assert project({"tile": 28, "order": "ji", "blocks": 1}, domains) == space[1]
+    assert project({"tile": 10, "order": "ij", "blocks": 1}, domains)["tile"] == 7
+    # Not from this kind of layer: a name the space lacks, a knob it fixes, another knob set.
+    assert project({"tile": 7, "order": "ik", "blocks": 1}, domains) is None
+    assert project({"tile": 7, "order": "ij", "blocks": 2}, domains) is None
+    assert project({"tile": 7, "order": "ij"}, domains) is None
+    # Each algorithm has its own knobs; a direct config compares with a one-algorithm one's.
+    winograd = {ALGORITHM: "winograd4", "tile": 4, "order": "ij", "blocks": 1}
+    direct = [{ALGORITHM: "direct", **config} for config in space]
+    domains = search._knob_domains([*direct, winograd, {**winograd, "tile": 16}])
+    assert project({"tile": 8, "order": "ij", "blocks": 1}, domains) == space[0]
+    assert project({**winograd, "tile": 8}, domains) == winograd
+    assert project({ALGORITHM: "winograd2", **space[0]}, domains) is None
+
+
 def test_candidates_time_with_a_cache_flush_before_every_pass(target):
     """`flush_bytes`: a scratch write before each timed pass (not timed itself); the
     candidates are still checked and timed."""
