@@ -16,7 +16,8 @@ both searches see the same costs and only their choices differ:
   among neighbours of the best measured and a sample of the rest, an epsilon share random),
   with the tuner's model (`auto`: the objective that ranks held-out records better, chosen
   at each fit) or either objective fixed, cold (an empty log) or warm (the other workloads'
-  tables in the log: transfer, as the tuner runs with a shared log);
+  tables in the log: transfer, as the tuner runs with a shared log; the configs within 3% of
+  the best on the most of them join the first batch);
 each until it first measures a config within 95% of the table's best GFLOP/s. Medians over
 `--seeds` seeds; the verdict is guided trials / random trials (issue 9 asks <= 0.25).
 

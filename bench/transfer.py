@@ -8,11 +8,13 @@
 
 Both sessions are the tuner as `kiln tune` runs it (real measurements, the same trial budget
 and seed), each on a fresh log of its own; the warm one also learns from `--source` (read
-only: `Tuner(transfer_from=...)`, `kiln tune --transfer-from`), which must hold records of
-this machine with their features: a whole tuning session's log (the committed
-`bench/tuning/` logs keep only each workload's best record, too few to learn from). The two
-sessions run side by side, a batch of one then a batch of the other, so that both measure on
-the same machine: a shared one drifts by several percent over the minutes a session takes.
+only: `Tuner(transfer_from=...)`, `kiln tune --transfer-from`: its records train the cost
+model, and the configs proven on its workloads join each task's first batch), which must
+hold records of this machine with their features: a whole tuning session's log (the
+committed `bench/tuning/` logs keep only each workload's best record, too few to learn
+from). The two sessions run side by side, a batch of one then a batch of the other, so
+that both measure on the same machine: a shared one drifts by several percent over the
+minutes a session takes.
 
 Quality after t trials: the tuned kernels' estimated time in one model run, L(t) = sum over
 tasks of occurrences x the best cost measured so far (a task not reached yet counts at its

@@ -30,7 +30,7 @@ from compiler_core.autotune.cost_model import CostModel
 from compiler_core.autotune.features import FEATURE_COUNT, FEATURE_SET, extract
 from compiler_core.autotune.measure import Measurer, Result
 from compiler_core.autotune.records import TuningLog, TuningRecord
-from compiler_core.autotune.tasks import ALGORITHM, DIRECT, Task, config_key
+from compiler_core.autotune.tasks import ALGORITHM, Task, config_key
 from compiler_core.schedule.primitives import apply
 from compiler_core.target import Target
 
@@ -300,8 +300,8 @@ class Tuner:
         task = state.task
         if not rest:
             return []
-        domains = _knob_domains(state.space)
-        index = {config_key(_plain(c)): c for c in rest}
+        kinds = _kinds(state.space)
+        index = {config_key(c): c for c in rest}
         proven: dict[str, dict[str, float]] = {}  # workload -> config key -> best/cost
         for log in (self.log, *self._sources):
             workloads = {
@@ -318,7 +318,7 @@ class Tuner:
                     share = ranked[0].cost / record.cost
                     if share < PROVEN_MARGIN:
                         break
-                    projected = _project(record.config, domains)
+                    projected = _project(record.config, kinds)
                     key = config_key(projected) if projected is not None else None
                     if key in index:
                         near[key] = max(near.get(key, 0.0), share)
@@ -443,52 +443,60 @@ def estimated_time(tasks: Iterable[tuple[int, float | None]]) -> float | None:
     return sum(weight * cost for weight, cost in tasks)
 
 
-def _knob_domains(space: Sequence[dict]) -> dict[tuple, dict[str, list]]:
-    """The values each knob takes in a space, per kind of config (`_kind`: a Winograd
-    variant has its own tile knobs)."""
-    domains: dict[tuple, dict[str, set]] = {}
+def _kinds(space: Sequence[dict]) -> dict[tuple, tuple[dict[str, list], list[dict]]]:
+    """A space's configs by kind (`_kind`), each kind with the values each knob takes."""
+    kinds: dict[tuple, list[dict]] = {}
     for config in space:
-        config = _plain(config)
-        for knob, value in config.items():
-            domains.setdefault(_kind(config), {}).setdefault(knob, set()).add(value)
+        kinds.setdefault(_kind(config), []).append(config)
     return {
-        kind: {knob: sorted(values, key=str) for knob, values in knobs.items()}
-        for kind, knobs in domains.items()
+        kind: ({knob: list({c[knob]: None for c in configs}) for knob in kind[1]}, configs)
+        for kind, configs in kinds.items()
     }
 
 
-def _plain(config: dict) -> dict:
-    """A config without ALGORITHM when it names the direct one: a workload with one
-    algorithm has no such knob, and its direct configs compare with another's."""
-    return {k: v for k, v in config.items() if not (k == ALGORITHM and v == DIRECT)}
-
-
 def _kind(config: dict) -> tuple:
+    """The algorithm a config runs (None: a workload with one) and its knobs' names: a
+    Winograd variant has its own tile knobs, and a conv that can run Winograd (3x3, stride
+    1) is another kind of layer than one that cannot (a 1x1 conv)."""
     return (config.get(ALGORITHM), tuple(sorted(config)))
 
 
-def _project(config: dict, domains: dict[tuple, dict[str, list]]) -> dict | None:
-    """`config` (as `_plain` has it) with each numeric knob this space cannot take moved to
-    the nearest value it can (another layer's 28-pixel row tile onto a 14-pixel row: 14);
-    None when the space has no configs of its kind, or when a knob takes a name the space
-    lacks or differs from a knob the space fixes to one value: the config comes from
-    another kind of layer (a 1x1 conv's 2-block tiles say nothing of a depthwise conv,
-    whose tiles hold one block)."""
-    config = _plain(config)
-    knobs = domains.get(_kind(config))
-    if knobs is None:
+def _project(config: dict, kinds: dict[tuple, tuple[dict[str, list], list[dict]]]) -> dict | None:
+    """The config of this space nearest to `config`: each numeric knob the space cannot
+    take moved to the nearest value it can (another layer's 28-pixel row tile onto a
+    14-pixel row: 14); where that breaks a rule of the space (a register tile too wide for
+    the blocks it holds), the config one knob away from it with the nearest values. None
+    when the space has no configs of its kind, or when a knob takes a name the space lacks
+    or differs from a knob the space fixes to one value: the config comes from another kind
+    of layer (a 1x1 conv's 2-block tiles say nothing of a depthwise conv's, which hold one)."""
+    if _kind(config) not in kinds:
         return None
-    projected = {}
+    domains, configs = kinds[_kind(config)]
+    clamped = {}
     for knob, value in config.items():
-        values = knobs[knob]
+        values = domains[knob]
         if value in values:
-            projected[knob] = value
+            clamped[knob] = value
             continue
         numbers = [v for v in values if _is_number(v)]
         if not _is_number(value) or len(values) < 2 or not numbers:
             return None
-        projected[knob] = min(numbers, key=lambda v: (abs(v - value), v))
-    return projected
+        clamped[knob] = min(numbers, key=lambda v: (abs(v - value), v))
+    if clamped in configs:
+        return clamped
+    near = [c for c in configs if sum(c[k] != clamped[k] for k in c) == 1]
+    return min(near, key=lambda c: _distance(c, clamped), default=None)
+
+
+def _distance(a: dict, b: dict) -> float:
+    """How far apart two configs of one kind are: relative differences of numeric knobs,
+    1 for each name that differs."""
+    return sum(
+        abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1)
+        if _is_number(a[k]) and _is_number(b[k])
+        else float(a[k] != b[k])
+        for k in a
+    )
 
 
 def _is_number(value: object) -> bool:

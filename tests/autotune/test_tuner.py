@@ -328,23 +328,27 @@ def test_a_first_batch_measures_the_configs_proven_on_other_workloads(tmp_path, 
         assert tuner._choose(state, 4)[:3] == [default, favourite, runner_up]
 
 
-def test_a_proven_config_is_mapped_to_the_nearest_value_of_each_numeric_knob():
+def test_a_proven_config_is_mapped_to_the_nearest_config_of_the_space():
     space = [{"tile": 7, "order": "ij", "blocks": 1}, {"tile": 14, "order": "ji", "blocks": 1}]
-    domains = search._knob_domains(space)
+    kinds = search._kinds(space)
     project = search._project
-    assert project({"tile": 28, "order": "ji", "blocks": 1}, domains) == space[1]
-    assert project({"tile": 10, "order": "ij", "blocks": 1}, domains)["tile"] == 7
+    assert project({"tile": 28, "order": "ji", "blocks": 1}, kinds) == space[1]
+    assert project({"tile": 10, "order": "ij", "blocks": 1}, kinds) == space[0]
+    # A nearest value the space rules out (no 14-pixel tile in ij order): one knob away.
+    assert project({"tile": 14, "order": "ij", "blocks": 1}, kinds) == space[0]
     # Not from this kind of layer: a name the space lacks, a knob it fixes, another knob set.
-    assert project({"tile": 7, "order": "ik", "blocks": 1}, domains) is None
-    assert project({"tile": 7, "order": "ij", "blocks": 2}, domains) is None
-    assert project({"tile": 7, "order": "ij"}, domains) is None
-    # Each algorithm has its own knobs; a direct config compares with a one-algorithm one's.
+    assert project({"tile": 7, "order": "ik", "blocks": 1}, kinds) is None
+    assert project({"tile": 7, "order": "ij", "blocks": 2}, kinds) is None
+    assert project({"tile": 7, "order": "ij"}, kinds) is None
+    # Each algorithm has its own knobs, and a workload with one algorithm is another kind of
+    # layer than one that chooses (a 1x1 conv and a 3x3 one).
     winograd = {ALGORITHM: "winograd4", "tile": 4, "order": "ij", "blocks": 1}
     direct = [{ALGORITHM: "direct", **config} for config in space]
-    domains = search._knob_domains([*direct, winograd, {**winograd, "tile": 16}])
-    assert project({"tile": 8, "order": "ij", "blocks": 1}, domains) == space[0]
-    assert project({**winograd, "tile": 8}, domains) == winograd
-    assert project({ALGORITHM: "winograd2", **space[0]}, domains) is None
+    kinds = search._kinds([*direct, winograd, {**winograd, "tile": 16}])
+    assert project({**direct[0], "tile": 8}, kinds) == direct[0]
+    assert project({**winograd, "tile": 8}, kinds) == winograd
+    assert project({ALGORITHM: "winograd2", **space[0]}, kinds) is None
+    assert project(space[0], kinds) is None
 
 
 def test_candidates_time_with_a_cache_flush_before_every_pass(target):
