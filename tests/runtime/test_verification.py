@@ -16,12 +16,14 @@ RNG = np.random.default_rng(0)
 
 
 def test_float32_rounding_of_a_long_reduction_agrees():
-    """A float32 product summed over 1024 terms, against the float64 sum: outputs near zero
-    are off by far more than 1e-4 of themselves, and still agree (the whole output's scale)."""
+    """A float32 product summed over 1024 terms one after the other (as a kernel's
+    accumulator does), against the float64 sum: outputs near zero are off by far more than
+    1e-4 of themselves, and still agree (the whole output's scale). The sum is a cumsum, not
+    `a @ b`: how a BLAS rounds depends on the CPU it picks kernels for."""
     a = RNG.standard_normal((64, 1024)).astype(np.float32)
     b = RNG.standard_normal((1024, 64)).astype(np.float32)
     exact = a.astype(np.float64) @ b.astype(np.float64)
-    rounded = a @ b
+    rounded = np.cumsum(a[:, :, None] * b[None, :, :], axis=1, dtype=np.float32)[:, -1, :]
     assert not np.allclose(rounded, exact, rtol=VERIFY_RTOL, atol=1e-5)  # per element: fails
     error, agrees = output_error(rounded, exact)
     assert agrees and 0 < error < VERIFY_RTOL * np.abs(exact).max()
