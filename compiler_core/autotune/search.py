@@ -304,7 +304,8 @@ class Tuner:
         """Configs of `rest` that ran within PROVEN_MARGIN of the best on other workloads of
         the task's template and version, on this machine (in the log or the logs to learn
         from), each mapped into the task's space (`_project`); the ones proven on the most
-        workloads first, then on the nearest to their best. At most PROVEN_SLOTS."""
+        workloads first, ties broken by how near their workloads' bests they ran (the sum of
+        best / cost). At most PROVEN_SLOTS."""
         task = state.task
         if not rest:
             return []
