@@ -68,7 +68,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or float knob or cost value (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -157,7 +158,7 @@ class TuningRecord:
             )
         for name in NUMBER_FIELDS:
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value):
+            if not is_number(value) or not math.isfinite(value):
                 raise RecordError(f"{name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
         # Frozen, so normalise through object.__setattr__: a private copy of the config (the

@@ -29,7 +29,7 @@ import numpy as np
 from compiler_core.autotune.cost_model import CostModel
 from compiler_core.autotune.features import FEATURE_COUNT, FEATURE_SET, extract
 from compiler_core.autotune.measure import Measurer, Result
-from compiler_core.autotune.records import TuningLog, TuningRecord
+from compiler_core.autotune.records import TuningLog, TuningRecord, is_number
 from compiler_core.autotune.tasks import ALGORITHM, Task, config_key
 from compiler_core.schedule.primitives import apply
 from compiler_core.target import Target
@@ -116,6 +116,8 @@ class Tuner:
         self.compiler_version = compiler_version
         self.states = [TaskState(task, task.space()) for task in tasks]
         self._sources = tuple(transfer_from)
+        # (template, version) -> the sources' `_near_best`: they are read-only
+        self._source_near: dict[tuple[str, int], dict[str, list[tuple[dict, float]]]] = {}
         self.trials = 0
         self.retimings = 0  # measurements `retime` took
         self._measuring = (0, 0.0)  # (configs, seconds): the rate a re-timing is planned at
@@ -272,6 +274,7 @@ class Tuner:
         default = state.task.default_config()
         default_due = config_key(default) not in state.visited
         rest = [c for c in state.unvisited() if c != default]
+        # proven configs leave room in the batch for the default and one other pick
         proven = self._proven(state, rest)[: max(count - 2, 0)] if state.trials == 0 else []
         taken = {config_key(c) for c in proven}
         rest = [c for c in rest if config_key(c) not in taken]
@@ -309,35 +312,43 @@ class Tuner:
         task = state.task
         if not rest:
             return []
+        template = (task.template, task.template_version)
+        if template not in self._source_near:  # read-only: read once per template
+            self._source_near[template] = {}
+            for log in self._sources:
+                self._source_near[template].update(self._near_best(log, *template))
+        near_best = {**self._source_near[template], **self._near_best(self.log, *template)}
         kinds = _kinds(state.space)
         index = {config_key(c): c for c in rest}
-        proven: dict[str, dict[str, float]] = {}  # workload -> config key -> best/cost
-        for log in (self.log, *self._sources):
-            workloads = {
-                r.workload_key
-                for r in log.records(fingerprint=self.fingerprint)
-                if r.template == task.template and r.workload_key != task.key
-            }
-            for workload in sorted(workloads):
-                ranked = log.ranked(
-                    workload, self.fingerprint, task.template, task.template_version
-                )
-                near = proven.setdefault(workload, {})
-                for record in ranked:
-                    share = ranked[0].cost / record.cost
-                    if share < PROVEN_MARGIN:
-                        break
-                    projected = _project(record.config, kinds)
-                    key = config_key(projected) if projected is not None else None
-                    if key in index:
-                        near[key] = max(near.get(key, 0.0), share)
         votes: dict[str, tuple[int, float]] = {}
-        for near in proven.values():
-            for key, share in near.items():
+        for workload, near in near_best.items():
+            if workload == task.key:
+                continue
+            shares: dict[str, float] = {}  # a workload votes once for each config
+            for config, share in near:
+                projected = _project(config, kinds)
+                key = config_key(projected) if projected is not None else None
+                if key in index:
+                    shares[key] = max(shares.get(key, 0.0), share)
+            for key, share in shares.items():
                 count, total = votes.get(key, (0, 0.0))
                 votes[key] = (count + 1, total + share)
         ordered = sorted(votes, key=lambda key: votes[key], reverse=True)
         return [index[key] for key in ordered[:PROVEN_SLOTS]]
+
+    def _near_best(
+        self, log: TuningLog, template: str, version: int
+    ) -> dict[str, list[tuple[dict, float]]]:
+        """Per workload of `template` in `log` on this machine: its configs within
+        PROVEN_MARGIN of its best, each with best / cost."""
+        records = log.records(fingerprint=self.fingerprint)
+        workloads = {r.workload_key for r in records if r.template == template}
+        near_best = {}
+        for workload in sorted(workloads):
+            ranked = log.ranked(workload, self.fingerprint, template, version)
+            shares = [(r.config, ranked[0].cost / r.cost) for r in ranked]
+            near_best[workload] = [(c, share) for c, share in shares if share >= PROVEN_MARGIN]
+        return near_best
 
     def _candidates(self, state: TaskState, rest: list[dict]) -> list[dict]:
         """What the model ranks this batch (a bounded number: every candidate's features
@@ -487,8 +498,8 @@ def _project(config: dict, kinds: dict[tuple, tuple[dict[str, list], list[dict]]
         if value in values:
             clamped[knob] = value
             continue
-        numbers = [v for v in values if _is_number(v)]
-        if not _is_number(value) or len(values) < 2 or not numbers:
+        numbers = [v for v in values if is_number(v)]
+        if not is_number(value) or len(values) < 2 or not numbers:
             return None
         clamped[knob] = min(numbers, key=lambda v: (abs(v - value), v))
     if clamped in configs:
@@ -502,14 +513,10 @@ def _distance(a: dict, b: dict) -> float:
     1 for each name that differs."""
     return sum(
         abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1)
-        if _is_number(a[k]) and _is_number(b[k])
+        if is_number(a[k]) and is_number(b[k])
         else float(a[k] != b[k])
         for k in a
     )
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _one_knob_apart(a: dict, b: dict) -> bool:
