@@ -111,18 +111,18 @@ def read_table(slug: str, task: Task, folder: Path) -> list[TuningRecord]:
 
 
 class ReplayMeasurer:
-    """Answers a search's trials from a measured table (what the Measurer found for each
-    config), so searches are compared on the same costs."""
+    """Answers a search's trials from measured tables (what the Measurer found for each
+    config of each workload), so searches are compared on the same costs."""
 
     def __init__(self, records: list[TuningRecord]):
-        self._by_config = {r.config_key: r for r in records}
+        self._by_config = {(r.workload_key, r.config_key): r for r in records}
         self.fingerprint = records[0].fingerprint
         self.target_label = records[0].target
 
     def measure(self, task: Task, configs: list[dict]) -> list[Result]:
         results = []
         for config in configs:
-            record = self._by_config[config_key(config)]
+            record = self._by_config[task.key, config_key(config)]
             ok = record.error == "ok"
             results.append(Result(record.costs) if ok else Result((), record.error, ""))
         return results

@@ -5,6 +5,8 @@
     .venv/bin/python -m bench.transfer [--model mobilenet_v2] [--source build/tuning/resnet18.jsonl]
                                        [--trials 320] [--seeds 1] [--keep-logs DIR]
     .venv/bin/python -m bench.transfer --from-logs DIR    # the readings of kept sessions again
+    .venv/bin/python -m bench.transfer --tables DIR --measure  # every config of the model, once
+    .venv/bin/python -m bench.transfer --tables DIR --seeds 10 # replayed sessions
 
 Both sessions are the tuner as `kiln tune` runs it (real measurements, the same trial budget
 and seed), each on a fresh log of its own; the warm one also learns from `--source` (read
@@ -22,14 +24,24 @@ default's cost, measured when it is reached), each config at its fastest measure
 either session (as the tuner counts a config at its fastest). Two readings of "95% of the
 final quality", each against the better of the two sessions' final L:
 - speed: the first t with L(t) <= L_final / 0.95;
-- gain: the first t with L(t) <= L(0) - 0.95 (L(0) - L_final), L(0) all defaults.
+- gain: the first t with L(t) <= L(0) - 0.95 (L(0) - L_final), L(0) all defaults;
+and in a replay, where the optimum L* (every task at its fastest config) is known:
+- optimum: the first t with L(t) <= L(0) - 0.95 (L(0) - L*).
 Issue 9 asks the warm session to get there in at most half the cold one's trials.
+
+Replay (`--tables DIR`): live sessions take 3-4 minutes a seed and see the machine drift, so
+a change to the search reads through the noise only over many seeds. `--measure` times every
+config of every task of the model once (the tuner's Measurer, `bench.search`'s tables: about
+1800 configs, ~10 minutes for mobilenet_v2); the sessions then run the tuner unchanged but
+answer each trial from those tables (`ReplayMeasurer`), so that two versions of the search
+are compared on the same costs, and many seeds take minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import shutil
 import statistics
@@ -37,10 +49,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from bench.run import cpu_name
+from bench.search import ReplayMeasurer, measure_tables, read_table
 from compiler_core.autotune.measure import Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
-from compiler_core.autotune.search import Tuner
+from compiler_core.autotune.search import Tuner, config_features
 from compiler_core.autotune.tasks import Task, extract_tasks
 from compiler_core.compiler import COMPILER_VERSION
 from compiler_core.frontend.onnx import import_model
@@ -54,23 +69,33 @@ KINDS = ("cold", "warm")
 
 
 def tune_sessions(
-    tasks: list[Task], trials: int, seed: int, source: Path, keep: Path | None = None
+    tasks: list[Task],
+    trials: int,
+    seed: int,
+    source: Path,
+    keep: Path | None = None,
+    replay: Replay | None = None,
 ) -> dict[str, list]:
     """Tune `tasks` twice from fresh logs, cold and warm (learning from `source` first),
     alternating batches so that both see the same machine (a shared one drifts by several
     percent over minutes); each session's records in the order they were measured. `keep`:
-    a folder to copy the two logs to (`session_logs` reads them back)."""
+    a folder to copy the two logs to (`session_logs` reads them back). `replay`: answer the
+    trials from measured tables instead of measuring."""
     target = host_target()
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-transfer-")))
         tuners = {}
         for kind, sources in (("cold", []), ("warm", [FileLog(source)])):
-            measurer = stack.enter_context(Measurer(target))
+            live = replay is None
+            measurer = stack.enter_context(Measurer(target)) if live else replay.measurer
             log = stack.enter_context(FileLog(tmp / f"{kind}.jsonl"))
             tuners[kind] = Tuner(
                 tasks, target, log, measurer, seed=seed,
                 compiler_version=COMPILER_VERSION, transfer_from=sources,
             )  # fmt: skip
+            if replay is not None:
+                for state in tuners[kind].states:
+                    state.features.update(replay.features[state.task.key])
         records, workloads = tuners["warm"].transfer
         if not records:
             raise SystemExit(f"{source}: no records with features for this machine")
@@ -95,6 +120,38 @@ def tune_sessions(
             for kind in tuners:
                 shutil.copyfile(tmp / f"{kind}.jsonl", keep / f"{kind}.jsonl")
         return {kind: tuner.log.records() for kind, tuner in tuners.items()}
+
+
+@dataclasses.dataclass
+class Replay:
+    """Measured tables of a model's tasks: a measurer that answers from them, and every
+    config's features (computed once: the sessions would each compute them again)."""
+
+    measurer: ReplayMeasurer
+    features: dict[str, dict[str, np.ndarray]]
+    optimum: float  # L with every task at its table's fastest config: what tuning can reach
+
+    @classmethod
+    def load(cls, tasks: list[Task], folder: Path) -> Replay:
+        tables = {}
+        for slug, task in table_slugs(tasks).items():
+            table = read_table(slug, task, folder)
+            missing = len(task.space()) - len(table)
+            if missing:
+                raise SystemExit(f"{folder}: {slug} lacks {missing} configs: run --measure")
+            tables[task.key] = table
+        features = {
+            key: {r.config_key: config_features(task, r.config) for r in tables[key]}
+            for key, task in ((t.key, t) for t in tasks)
+        }
+        records = [r for table in tables.values() for r in table]
+        optimum = sum(task.weight * min(r.cost for r in tables[task.key] if r.ok) for task in tasks)
+        return cls(ReplayMeasurer(records), features, optimum)
+
+
+def table_slugs(tasks: list[Task]) -> dict[str, Task]:
+    """A table's name for each task: its place in the model and its workload key."""
+    return {f"task{k:02d}_{task.key[:12]}": task for k, task in enumerate(tasks)}
 
 
 def session_logs(folder: Path) -> list[dict[str, list]]:
@@ -155,39 +212,59 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--keep-logs", type=Path, help="copy each session's log under here")
     parser.add_argument("--from-logs", type=Path, help="read kept sessions instead of tuning")
+    parser.add_argument("--tables", type=Path, help="replay from the tables measured here")
+    parser.add_argument("--measure", action="store_true", help="measure the --tables first")
     parser.add_argument("--json", type=Path, default=Path("bench/transfer.json"))
     args = parser.parse_args()
     graph = optimize(import_model(str(shared_model(args.model))))
     tasks = extract_tasks(graph)
+    if args.measure:
+        if not args.tables:
+            raise SystemExit("--measure needs --tables DIR")
+        measure_tables(table_slugs(tasks), args.tables)
+        return
+    replay = Replay.load(tasks, args.tables) if args.tables else None
     if args.from_logs:
         runs = session_logs(args.from_logs)
     else:
         print(f"CPU: {cpu_name()}; {args.model}: {len(tasks)} tasks, {args.trials} trials each")
         runs = []
         for seed in range(args.seeds):
-            time.sleep(SETTLE_SECONDS)
+            if replay is None:
+                time.sleep(SETTLE_SECONDS)
             keep = args.keep_logs / f"seed{seed}" if args.keep_logs else None
-            runs.append(tune_sessions(tasks, args.trials, seed, args.source, keep))
+            runs.append(tune_sessions(tasks, args.trials, seed, args.source, keep, replay))
     report = {"cpu": cpu_name(), "model": args.model, "source": str(args.source), "seeds": []}
     for seed, sessions in enumerate(runs):
         fastest = fastest_costs(list(sessions.values()))
         cold, warm = (latency_curve(tasks, sessions[kind], fastest) for kind in KINDS)
-        report["seeds"].append(seed_report(seed, cold, warm))
-    for reading in ("speed", "gain"):
+        optimum = replay.optimum if replay is not None else None
+        report["seeds"].append(seed_report(seed, cold, warm, optimum))
+    for reading in report["seeds"][0]["readings"] if report["seeds"] else ():
         ratios = [r[reading]["warm"] / max(r[reading]["cold"], 1) for r in report["seeds"]]
         print(f"{reading}: warm/cold trials, median over seeds {statistics.median(ratios):.2f}")
     args.json.write_text(json.dumps(report, indent=1))
     print(f"results: {args.json}")
 
 
-def seed_report(seed: int, cold: list[float], warm: list[float]) -> dict:
-    """One seed's readings (trials to 95% of the final quality, both ways), printed."""
+def seed_report(
+    seed: int, cold: list[float], warm: list[float], optimum: float | None = None
+) -> dict:
+    """One seed's readings (trials to 95% of the final quality, both ways), printed. With the
+    `optimum` (a replay knows it: every task at its table's fastest config), a third reading:
+    95% of the gain the spaces hold, a reference that neither session's luck moves."""
     final = min(cold[-1], warm[-1])
     row = {"final_ms": final * 1e3, "default_ms": cold[0] * 1e3}
     bounds = {
         "speed": lambda curve: final / GOAL,
         "gain": lambda curve: curve[0] - GOAL * (curve[0] - final),
     }
+    labels = {"speed": "of the final quality", "gain": "of the final quality"}
+    if optimum is not None:
+        row["optimum_ms"] = optimum * 1e3
+        bounds["optimum"] = lambda curve: curve[0] - GOAL * (curve[0] - optimum)
+        labels["optimum"] = "of the gain the spaces hold"
+    row["readings"] = list(bounds)
     for reading, bound_of in bounds.items():
         row[reading] = {
             kind: trials_to(c, bound_of(c)) for kind, c in (("cold", cold), ("warm", warm))
@@ -199,12 +276,13 @@ def seed_report(seed: int, cold: list[float], warm: list[float]) -> dict:
     print(
         f"seed {seed}: defaults {cold[0] * 1e3:.3f} ms (cold) {warm[0] * 1e3:.3f} ms (warm), "
         f"final {cold[-1] * 1e3:.3f} / {warm[-1] * 1e3:.3f} ms"
+        + (f", optimum {optimum * 1e3:.3f} ms" if optimum is not None else "")
     )
-    for reading in ("speed", "gain"):
+    for reading, label in labels.items():
         trials = row[reading]
         ratio = trials["warm"] / max(trials["cold"], 1)
         print(
-            f"  {GOAL:.0%} of the final quality ({reading}): cold {trials['cold']} trials, "
+            f"  {GOAL:.0%} {label} ({reading}): cold {trials['cold']} trials, "
             f"warm {trials['warm']} ({ratio:.2f} of cold)"
         )
     return row

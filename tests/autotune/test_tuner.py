@@ -264,6 +264,40 @@ def test_the_model_ranks_neighbours_of_the_best_measured_configs(target, measure
     assert not search._one_knob_apart({"a": 1}, {"a": 1, "b": 3})
 
 
+def test_the_scheduler_gives_the_next_batch_where_trials_save_most_model_time(
+    tmp_path, target, measurer
+):
+    """After each task's first batch, the next goes to the task whose trials are expected to
+    save the most model time: occurrences x the fall of its best cost per trial, recent (its
+    last GRADIENT_WINDOW trials) and optimistic (best / trials)."""
+    task = tasks_of(dense_model())[0]
+    space = task.space()  # none of it visited: every state is live
+
+    def state(costs, occurrences=1):
+        """A task state after trials whose best costs (seconds) were `costs`."""
+        s = search.TaskState(dataclasses.replace(task, groups=["g"] * occurrences), space)
+        for cost in costs:
+            s.best_cost = min(s.best_cost, cost)
+            s.history.append(s.best_gflops)
+            s.trials += 1
+        return s
+
+    window = search.GRADIENT_WINDOW
+    stalled = state([1.0] * 2 + [0.5] * (2 * window))  # fell, then flat for 2 windows
+    falling = state([1.0] * (window + 2) + [0.5] * window)  # the same fall, in its window
+    assert search._gradient(falling) > search._gradient(stalled) > 0
+    twice = state([1.0] * 2 + [0.5] * (2 * window), occurrences=2)
+    assert search._gradient(twice) == pytest.approx(2 * search._gradient(stalled))
+    fresh = state([0.5] * 2)  # as good, but two trials only: its search has barely begun
+    assert search._gradient(fresh) > search._gradient(stalled)
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer)
+    tuner.states = [stalled, falling, fresh]
+    assert tuner._next_task() is max(tuner.states, key=search._gradient)
+    tuner.states.append(search.TaskState(task, space))  # untouched: it goes first
+    assert tuner._next_task() is tuner.states[-1]
+
+
 def test_a_cold_first_batch_is_the_default_and_its_neighbours(tmp_path, target, measurer):
     """Before the model has anything to rank with, the batch is the default point and
     configs one knob away from it; the rest of the space only when those run out."""
