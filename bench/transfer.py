@@ -32,9 +32,11 @@ Issue 9 asks the warm session to get there in at most half the cold one's trials
 Replay (`--tables DIR`): live sessions take 3-4 minutes a seed and see the machine drift, so
 a change to the search reads through the noise only over many seeds. `--measure` times every
 config of every task of the model once (the tuner's Measurer, `bench.search`'s tables: about
-1800 configs, ~10 minutes for mobilenet_v2); the sessions then run the tuner unchanged but
-answer each trial from those tables (`ReplayMeasurer`), so that two versions of the search
-are compared on the same costs, and many seeds take minutes.
+1800 configs, ~10 minutes for mobilenet_v2), then each task's default and three fastest
+again, as the tuner re-times its best (a table keeps each config at its fastest); the
+sessions then run the tuner unchanged but answer each trial from those tables
+(`ReplayMeasurer`), so that two versions of the search are compared on the same costs, and
+many seeds take minutes.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.run import cpu_name
-from bench.search import ReplayMeasurer, measure_tables, read_table
+from bench.search import ReplayMeasurer, measure_tables, read_table, retime_tables
 from compiler_core.autotune.measure import Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
 from compiler_core.autotune.search import Tuner, config_features
@@ -222,6 +224,7 @@ def main() -> None:
         if not args.tables:
             raise SystemExit("--measure needs --tables DIR")
         measure_tables(table_slugs(tasks), args.tables)
+        retime_tables(table_slugs(tasks), args.tables)
         return
     replay = Replay.load(tasks, args.tables) if args.tables else None
     if args.from_logs:

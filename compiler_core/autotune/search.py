@@ -65,8 +65,8 @@ PROVEN_MARGIN = 0.97
 # It replaced "the largest occurrences x best cost", which spent batch after batch on a heavy
 # task that had nothing left to gain (until 3 batches without a 1% gain) while light tasks
 # kept their first batch only: replayed on MobileNetV2's measured spaces (bench.transfer
-# --tables, 12 seeds, 320 trials), a cold session reached 80% of the gain the spaces hold,
-# and 95% with this one (warm: 94% -> 98%). 0.2 or 0.8 for RECENT_SHARE, or a window of 16,
+# --tables, 12 seeds, 320 trials), a cold session reached 82% of the gain the spaces hold,
+# and 94% with this one (warm: 85% -> 97%). 0.2 or 0.8 for RECENT_SHARE, or a window of 16,
 # read the same within the seeds' spread.
 GRADIENT_WINDOW = 8
 RECENT_SHARE = 0.5
