@@ -143,8 +143,8 @@ class Replay:
                 raise SystemExit(f"{folder}: {slug} lacks {missing} configs: run --measure")
             tables[task.key] = table
         features = {
-            key: {r.config_key: config_features(task, r.config) for r in tables[key]}
-            for key, task in ((t.key, t) for t in tasks)
+            task.key: {r.config_key: config_features(task, r.config) for r in tables[task.key]}
+            for task in tasks
         }
         records = [r for table in tables.values() for r in table]
         optimum = sum(task.weight * min(r.cost for r in tables[task.key] if r.ok) for task in tasks)

@@ -269,8 +269,8 @@ class Tuner:
         return len(configs)
 
     def _next_task(self) -> TaskState | None:
-        """Each task once, in the order of their estimated share of the model's time; then
-        the task whose next trials promise to save the most model time (`_gradient`)."""
+        """Each task once, heaviest first (the tasks come sorted by occurrences x FLOPs);
+        then the task whose next trials promise to save the most model time (`_gradient`)."""
         live = [s for s in self.states if not s.exhausted]
         if not live:
             return None
