@@ -1,0 +1,57 @@
+"""The benches' replayed measurements (bench/search.py): a table answers each workload's
+configs with that workload's own costs, and keeps each config at its fastest measurement."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from bench.search import ReplayMeasurer, read_table
+from compiler_core.autotune.measure import Result
+from compiler_core.autotune.records import FileLog
+from compiler_core.autotune.search import measured_record
+from compiler_core.autotune.tasks import config_key
+from compiler_core.target import host_target
+from tests.autotune.test_tuner import dense_model, tasks_of
+
+HOST = types.SimpleNamespace(fingerprint=host_target().fingerprint, target_label=str(host_target()))
+
+
+def test_replayed_trials_answer_with_each_workloads_own_costs():
+    """Two workloads share config keys (one template's knobs): a replay of one must not
+    answer with the other's measurement."""
+    task = tasks_of(dense_model())[0]
+    other = dataclasses.replace(task, key="another-workload")
+    config = task.default_config()
+    replay = ReplayMeasurer(
+        [
+            measured_record(task, config, Result(costs=(1e-3,)), HOST),
+            measured_record(other, config, Result(costs=(5e-3,)), HOST),
+        ]
+    )
+    (mine,) = replay.measure(task, [config])
+    (theirs,) = replay.measure(other, [config])
+    assert mine.costs == (1e-3,) and theirs.costs == (5e-3,)
+
+
+def test_a_table_keeps_each_config_at_its_fastest(tmp_path):
+    """A config timed again (the re-timing pass) counts at its fastest measurement, and a
+    failed measurement only where nothing of the config ran."""
+    task = tasks_of(dense_model())[0]
+    fast, flaky, broken = task.space()[:3]
+    with FileLog(tmp_path / "t.jsonl") as log:
+        log.extend(
+            [
+                measured_record(task, fast, Result(costs=(3e-3,)), HOST),
+                measured_record(task, fast, Result(costs=(1e-3,)), HOST, retimed=True),
+                measured_record(task, fast, Result(costs=(2e-3,)), HOST, retimed=True),
+                measured_record(task, flaky, Result(error="timeout"), HOST),
+                measured_record(task, flaky, Result(costs=(4e-3,)), HOST, retimed=True),
+                measured_record(task, broken, Result(error="run_error"), HOST),
+            ]
+        )
+    table = {r.config_key: r for r in read_table("t", task, tmp_path)}
+    assert len(table) == 3
+    assert table[config_key(fast)].cost == 1e-3
+    assert table[config_key(flaky)].cost == 4e-3
+    assert table[config_key(broken)].error == "run_error"
