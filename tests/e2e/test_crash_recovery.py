@@ -1,14 +1,18 @@
 """Crash tests: SIGKILL the worker mid-compilation; a restarted worker takes the job up again
-and stores a byte-identical artifact, and a tuning job resumes its search from the log. On
+and stores the artifact a direct build makes (`same_build`), and a tuning job resumes its search
+from the log. On
 SQLite the broker never redelivers the fetched message and on Redis only after the visibility
 timeout: the ledger's orphan watch does it."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import subprocess
 import sys
+import zipfile
 
 import httpx
 import pytest
@@ -66,6 +70,23 @@ class Processes:
             stop_group(process)
 
 
+def same_build(a: bytes, b: bytes) -> bool:
+    """Whether two module archives hold the same build: every member byte for byte, the
+    manifest but for the verification's measured error. That error comes from the reference
+    executor's float32 sums, which numpy's BLAS rounds by its thread count: a worker runs with
+    one thread, and this process's may differ (MobileNetV2: 2.2e-6 with two, 2.5e-6 with one)."""
+
+    def members(archive: bytes) -> dict[str, object]:
+        with zipfile.ZipFile(io.BytesIO(archive)) as z:
+            found: dict[str, object] = {name: z.read(name) for name in z.namelist()}
+        manifest = json.loads(found["manifest.json"])
+        assert manifest["verification"].pop("max_abs_error") < 1e-4
+        found["manifest.json"] = manifest
+        return found
+
+    return members(a) == members(b)
+
+
 @pytest.mark.parametrize("backend", ["embedded", "redis"])
 def test_a_killed_worker_s_job_is_finished_by_the_next_worker(backend, tmp_path):
     processes = Processes(tmp_path, redis_url(13) if backend == "redis" else None)
@@ -95,7 +116,7 @@ def test_a_killed_worker_s_job_is_finished_by_the_next_worker(backend, tmp_path)
 
         stored = platform.client.get(f"/v1/artifacts/{job['artifact']}").content
         direct = compiler_core.compile(path.read_bytes(), "llvm", shapes=shapes).to_bytes()
-        assert stored == direct
+        assert same_build(stored, direct)
     finally:
         processes.stop()
 
