@@ -4,9 +4,12 @@ configs with that workload's own costs, and keeps each config at its fastest mea
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 import types
 
-from bench.search import ReplayMeasurer, read_table
+import pytest
+
 from compiler_core.autotune.measure import Result
 from compiler_core.autotune.records import FileLog
 from compiler_core.autotune.search import measured_record
@@ -14,16 +17,30 @@ from compiler_core.autotune.tasks import config_key
 from compiler_core.target import host_target
 from tests.autotune.test_tuner import dense_model, tasks_of
 
+
+@pytest.fixture(scope="module")
+def bench_search():
+    """bench.search, imported without leaving its package's setting in this process's
+    environment: bench/__init__ pins OpenBLAS to one thread for the processes it measures,
+    and processes that later tests start would inherit it (a worker's reference executor then
+    rounds its sums otherwise than this process's)."""
+    before = dict(os.environ)
+    module = importlib.import_module("bench.search")
+    os.environ.clear()
+    os.environ.update(before)
+    return module
+
+
 HOST = types.SimpleNamespace(fingerprint=host_target().fingerprint, target_label=str(host_target()))
 
 
-def test_replayed_trials_answer_with_each_workloads_own_costs():
+def test_replayed_trials_answer_with_each_workloads_own_costs(bench_search):
     """Two workloads share config keys (one template's knobs): a replay of one must not
     answer with the other's measurement."""
     task = tasks_of(dense_model())[0]
     other = dataclasses.replace(task, key="another-workload")
     config = task.default_config()
-    replay = ReplayMeasurer(
+    replay = bench_search.ReplayMeasurer(
         [
             measured_record(task, config, Result(costs=(1e-3,)), HOST),
             measured_record(other, config, Result(costs=(5e-3,)), HOST),
@@ -34,7 +51,7 @@ def test_replayed_trials_answer_with_each_workloads_own_costs():
     assert mine.costs == (1e-3,) and theirs.costs == (5e-3,)
 
 
-def test_a_table_keeps_each_config_at_its_fastest(tmp_path):
+def test_a_table_keeps_each_config_at_its_fastest(tmp_path, bench_search):
     """A config timed again (the re-timing pass) counts at its fastest measurement, and a
     failed measurement only where nothing of the config ran."""
     task = tasks_of(dense_model())[0]
@@ -50,7 +67,7 @@ def test_a_table_keeps_each_config_at_its_fastest(tmp_path):
                 measured_record(task, broken, Result(error="run_error"), HOST),
             ]
         )
-    table = {r.config_key: r for r in read_table("t", task, tmp_path)}
+    table = {r.config_key: r for r in bench_search.read_table("t", task, tmp_path)}
     assert len(table) == 3
     assert table[config_key(fast)].cost == 1e-3
     assert table[config_key(flaky)].cost == 4e-3
