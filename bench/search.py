@@ -35,6 +35,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -106,12 +107,18 @@ def read_table(slug: str, task: Task, folder: Path) -> list[TuningRecord]:
     counts a config measured more than once; a failed measurement counts when nothing
     else of the config ran)."""
     records = FileLog(folder / f"{slug}.jsonl").records(task.key, host_target().fingerprint)
-    fastest: dict[str, TuningRecord] = {}
+    return list(fastest_records(records).values())
+
+
+def fastest_records(records: Iterable[TuningRecord]) -> dict[tuple[str, str], TuningRecord]:
+    """Per (workload, config): its fastest ok record, or its first failed one when none ran."""
+    fastest: dict[tuple[str, str], TuningRecord] = {}
     for r in records:
-        kept = fastest.get(r.config_key)
+        key = (r.workload_key, r.config_key)
+        kept = fastest.get(key)
         if kept is None or (r.ok and (not kept.ok or r.cost < kept.cost)):
-            fastest[r.config_key] = r
-    return list(fastest.values())
+            fastest[key] = r
+    return fastest
 
 
 def retime_tables(tasks: dict[str, Task], folder: Path, top: int = 3, rounds: int = 2) -> None:

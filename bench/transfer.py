@@ -54,7 +54,13 @@ from pathlib import Path
 import numpy as np
 
 from bench.run import cpu_name
-from bench.search import ReplayMeasurer, measure_tables, read_table, retime_tables
+from bench.search import (
+    ReplayMeasurer,
+    fastest_records,
+    measure_tables,
+    read_table,
+    retime_tables,
+)
 from compiler_core.autotune.measure import Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
 from compiler_core.autotune.search import Tuner, config_features
@@ -168,13 +174,8 @@ def fastest_costs(sessions: list[list[TuningRecord]]) -> dict[tuple[str, str], f
     """Each config's fastest measurement over both sessions: the two share the machine, and
     one reading of a kernel taken in a busy second (1.7-1.9x slow, seen on the defaults of two
     of MobileNetV2's tasks) would otherwise count as a gain when the session moves on."""
-    fastest: dict[tuple[str, str], float] = {}
-    for records in sessions:
-        for r in records:
-            if r.ok:
-                key = (r.workload_key, r.config_key)
-                fastest[key] = min(fastest.get(key, r.cost), r.cost)
-    return fastest
+    every = (r for records in sessions for r in records)
+    return {key: r.cost for key, r in fastest_records(every).items() if r.ok}
 
 
 def latency_curve(
@@ -238,10 +239,10 @@ def main() -> None:
             keep = args.keep_logs / f"seed{seed}" if args.keep_logs else None
             runs.append(tune_sessions(tasks, args.trials, seed, args.source, keep, replay))
     report = {"cpu": cpu_name(), "model": args.model, "source": str(args.source), "seeds": []}
+    optimum = replay.optimum if replay is not None else None
     for seed, sessions in enumerate(runs):
         fastest = fastest_costs(list(sessions.values()))
         cold, warm = (latency_curve(tasks, sessions[kind], fastest) for kind in KINDS)
-        optimum = replay.optimum if replay is not None else None
         report["seeds"].append(seed_report(seed, cold, warm, optimum))
     for reading in report["seeds"][0]["readings"] if report["seeds"] else ():
         ratios = [r[reading]["warm"] / max(r[reading]["cold"], 1) for r in report["seeds"]]

@@ -472,13 +472,15 @@ def _gradient(state: TaskState) -> float:
     fall of its best cost per trial, blending the fall over its last GRADIENT_WINDOW trials
     (what its search achieves now) with an optimistic one, best / trials (a search's best
     keeps falling about like 1/t until it converges)."""
-    costs = [state.task.flops / (g * 1e9) if g > 0 else math.inf for g in state.history]
-    if not costs or not math.isfinite(state.best_cost):
+    trials = len(state.history)  # best GFLOP/s after each trial
+    if not trials or not math.isfinite(state.best_cost):
         return 0.0  # every config measured so far failed: more of the same promises nothing
-    start = costs[max(len(costs) - 1 - GRADIENT_WINDOW, 0)]
-    steps = min(GRADIENT_WINDOW, len(costs) - 1)
-    recent = (start - state.best_cost) / steps if steps and math.isfinite(start) else 0.0
-    optimistic = state.best_cost / len(costs)
+    steps = min(GRADIENT_WINDOW, trials - 1)
+    before = state.history[trials - 1 - steps]  # the best, `steps` trials ago
+    recent = 0.0
+    if steps and before > 0:
+        recent = (state.task.flops / (before * 1e9) - state.best_cost) / steps
+    optimistic = state.best_cost / trials
     return state.task.weight * (RECENT_SHARE * recent + (1 - RECENT_SHARE) * optimistic)
 
 
