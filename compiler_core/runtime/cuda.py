@@ -7,7 +7,8 @@ usable). Without pycuda or without a device, loading fails with `NoCudaDeviceErr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -61,22 +62,37 @@ class CudaBackend:
         device = self._cuda.Device(ordinal)
         self.arch = "sm_{}{}".format(*device.compute_capability())
         self._context = device.retain_primary_context()
-        self._context.push()
-        self._stream = self._cuda.Stream()
+        with self._current():
+            self._stream = self._cuda.Stream()
         self._keep: list = []  # allocations live as long as the module
+
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        """The device's primary context made current on the calling thread for the block,
+        and taken off again: a module loaded on one thread runs on any other (a server's
+        worker threads), and no context is left on a thread's stack at exit, where pycuda
+        aborts the process if it finds one."""
+        self._context.push()
+        try:
+            yield
+        finally:
+            self._cuda.Context.pop()
 
     def load(self, members: Mapping[str, bytes]) -> None:
         # The cubin when it was built for this GPU's architecture, else the PTX (the driver
         # compiles it for whatever GPU this is).
         manifest_arch = members.get("manifest.json", b"")
         image = members.get("model.cubin") if self.arch.encode() in manifest_arch else None
-        self._module = self._cuda.module_from_buffer(image or members["model.ptx"])
+        with self._current():
+            self._module = self._cuda.module_from_buffer(image or members["model.ptx"])
 
     def function(self, name: str):
-        return self._module.get_function(name)
+        with self._current():
+            return self._module.get_function(name)
 
     def alloc(self, nbytes: int):
-        allocation = self._cuda.mem_alloc(nbytes)
+        with self._current():
+            allocation = self._cuda.mem_alloc(nbytes)
         self._keep.append(allocation)
         return np.uintp(int(allocation))
 
@@ -84,17 +100,21 @@ class CudaBackend:
         return np.uintp(int(buffer) + offset)
 
     def upload(self, buffer, array: np.ndarray) -> None:
-        self._cuda.memcpy_htod_async(int(buffer), np.ascontiguousarray(array), self._stream)
+        with self._current():
+            self._cuda.memcpy_htod_async(int(buffer), np.ascontiguousarray(array), self._stream)
 
     def download(self, buffer, array: np.ndarray) -> None:
-        self._cuda.memcpy_dtoh_async(array, int(buffer), self._stream)
-        self._stream.synchronize()
+        with self._current():
+            self._cuda.memcpy_dtoh_async(array, int(buffer), self._stream)
+            self._stream.synchronize()
 
     def launch(self, function, grid: Sequence[int], block: Sequence[int], args: list) -> None:
-        function(*args, grid=tuple(grid), block=tuple(block), stream=self._stream)
+        with self._current():
+            function(*args, grid=tuple(grid), block=tuple(block), stream=self._stream)
 
     def synchronize(self) -> None:
-        self._stream.synchronize()
+        with self._current():
+            self._stream.synchronize()
 
     def time_launch(self, function, grid, block, args) -> float:
         """One launch timed with CUDA events, in seconds."""
@@ -103,16 +123,18 @@ class CudaBackend:
     def time_launches(self, launches, number: int) -> float:
         """Seconds per pass of `launches` (function, grid, block, args), `number` passes timed
         together with CUDA events on the stream."""
-        start, end = self._cuda.Event(), self._cuda.Event()
-        start.record(self._stream)
-        for _ in range(number):
-            for function, grid, block, args in launches:
-                self.launch(function, grid, block, args)
-        end.record(self._stream)
-        end.synchronize()
-        return start.time_till(end) / 1000.0 / number
+        with self._current():
+            start, end = self._cuda.Event(), self._cuda.Event()
+            start.record(self._stream)
+            for _ in range(number):
+                for function, grid, block, args in launches:
+                    self.launch(function, grid, block, args)
+            end.record(self._stream)
+            end.synchronize()
+            return start.time_till(end) / 1000.0 / number
 
     def free_all(self) -> None:
         """Release every allocation (the tuner's runner, between candidates)."""
         self.synchronize()
-        self._keep.clear()
+        with self._current():
+            self._keep.clear()

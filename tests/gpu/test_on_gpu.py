@@ -3,13 +3,25 @@ CUDA archives run through pycuda and match ONNX Runtime."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import onnxruntime as ort
 import pytest
+from onnx import helper
 
 import compiler_core
 from compiler_core.runtime import load
 from compiler_core.runtime.cuda import CudaBackend, NoCudaDeviceError
-from tests.conftest import SHARED_MODELS, assert_close_to_scale, random_feeds, shared_model
+from tests.conftest import (
+    SHARED_MODELS,
+    assert_close_to_scale,
+    make_model,
+    random_feeds,
+    shared_model,
+)
 
 
 def _arch() -> str | None:
@@ -65,3 +77,34 @@ def test_tuning_on_the_gpu_measures_with_cuda_events_and_the_build_applies_it(tm
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     expected = session.run(None, feeds)[0]
     assert_close_to_scale(module.run(feeds)[session.get_outputs()[0].name], expected, 1e-4, "mlp")
+
+
+def _relu_archive():
+    model = make_model(
+        [helper.make_node("Relu", ["x"], ["y"])], [("x", 1, [3, 5])], [("y", 1, [3, 5])]
+    )
+    return compiler_core.compile(model, target=f"cuda -arch={ARCH}")
+
+
+def test_a_module_loaded_on_one_thread_runs_on_another():
+    # A server loads a module once and runs requests on its worker threads: CUDA's context
+    # is per thread, so the backend makes it current around each use.
+    module = load(_relu_archive())
+    x = np.linspace(-1, 1, 15, dtype=np.float32).reshape(3, 5)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: module.run({"x": x})["y"], range(4)))
+    for y in results:
+        np.testing.assert_array_equal(y, np.maximum(x, 0))
+
+
+def test_a_process_that_ran_a_cuda_module_exits_cleanly(tmp_path):
+    # pycuda aborts a process that exits with a context still on its stack.
+    path = tmp_path / "relu.kiln"
+    path.write_bytes(_relu_archive().to_bytes())
+    code = (
+        "import numpy as np; from compiler_core.runtime import load;"
+        f"m = load({str(path)!r}); print(m.run({{'x': np.ones((3, 5), np.float32)}})['y'].sum())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "15.0" and "PyCUDA ERROR" not in done.stderr
