@@ -8,6 +8,7 @@ usable). Without pycuda or without a device, loading fails with `NoCudaDeviceErr
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -62,36 +63,44 @@ class CudaBackend:
         device = self._cuda.Device(ordinal)
         self.arch = "sm_{}{}".format(*device.compute_capability())
         self._context = device.retain_primary_context()
-        with self._current():
+        self._depth = threading.local()  # per thread: how many `current()` blocks are open
+        with self.current():
             self._stream = self._cuda.Stream()
         self._keep: list = []  # allocations live as long as the module
 
     @contextlib.contextmanager
-    def _current(self) -> Iterator[None]:
+    def current(self) -> Iterator[None]:
         """The device's primary context made current on the calling thread for the block,
         and taken off again: a module loaded on one thread runs on any other (a server's
         worker threads), and no context is left on a thread's stack at exit, where pycuda
-        aborts the process if it finds one."""
-        self._context.push()
+        aborts the process if it finds one. Every method enters it; a caller that makes
+        many calls (a module's run) enters it once around them, and the inner ones cost
+        no driver call."""
+        depth = getattr(self._depth, "value", 0)
+        if depth == 0:
+            self._context.push()
+        self._depth.value = depth + 1
         try:
             yield
         finally:
-            self._cuda.Context.pop()
+            self._depth.value = depth
+            if depth == 0:
+                self._cuda.Context.pop()
 
     def load(self, members: Mapping[str, bytes]) -> None:
         # The cubin when it was built for this GPU's architecture, else the PTX (the driver
         # compiles it for whatever GPU this is).
         manifest_arch = members.get("manifest.json", b"")
         image = members.get("model.cubin") if self.arch.encode() in manifest_arch else None
-        with self._current():
+        with self.current():
             self._module = self._cuda.module_from_buffer(image or members["model.ptx"])
 
     def function(self, name: str):
-        with self._current():
+        with self.current():
             return self._module.get_function(name)
 
     def alloc(self, nbytes: int):
-        with self._current():
+        with self.current():
             allocation = self._cuda.mem_alloc(nbytes)
         self._keep.append(allocation)
         return np.uintp(int(allocation))
@@ -100,20 +109,25 @@ class CudaBackend:
         return np.uintp(int(buffer) + offset)
 
     def upload(self, buffer, array: np.ndarray) -> None:
-        with self._current():
+        with self.current():
             self._cuda.memcpy_htod_async(int(buffer), np.ascontiguousarray(array), self._stream)
 
     def download(self, buffer, array: np.ndarray) -> None:
-        with self._current():
+        with self.current():
             self._cuda.memcpy_dtoh_async(array, int(buffer), self._stream)
             self._stream.synchronize()
 
     def launch(self, function, grid: Sequence[int], block: Sequence[int], args: list) -> None:
-        with self._current():
-            function(*args, grid=tuple(grid), block=tuple(block), stream=self._stream)
+        # Every argument of a launch is a device pointer: a prepared call packs them by that
+        # format, where the generic call inspects each argument's type on every launch.
+        if getattr(function, "kiln_arity", None) != len(args):
+            function.prepare("P" * len(args))
+            function.kiln_arity = len(args)
+        with self.current():
+            function.prepared_async_call(tuple(grid), tuple(block), self._stream, *args)
 
     def synchronize(self) -> None:
-        with self._current():
+        with self.current():
             self._stream.synchronize()
 
     def time_launch(self, function, grid, block, args) -> float:
@@ -123,7 +137,7 @@ class CudaBackend:
     def time_launches(self, launches, number: int) -> float:
         """Seconds per pass of `launches` (function, grid, block, args), `number` passes timed
         together with CUDA events on the stream."""
-        with self._current():
+        with self.current():
             start, end = self._cuda.Event(), self._cuda.Event()
             start.record(self._stream)
             for _ in range(number):
@@ -136,5 +150,5 @@ class CudaBackend:
     def free_all(self) -> None:
         """Release every allocation (the tuner's runner, between candidates)."""
         self.synchronize()
-        with self._current():
+        with self.current():
             self._keep.clear()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
@@ -23,6 +24,7 @@ from compiler_core.runtime.module import InputError, check_inputs, signature
 class Backend(Protocol):
     name: str
 
+    def current(self) -> AbstractContextManager: ...
     def load(self, members: Mapping[str, bytes]) -> None: ...
     def function(self, name: str): ...
     def alloc(self, nbytes: int): ...
@@ -39,6 +41,10 @@ class DeviceModule:
     """A loaded GPU archive: `run(inputs) -> outputs`, as the CPU module."""
 
     def __init__(self, members: Mapping[str, bytes], backend: Backend):
+        with backend.current():
+            self._load(members, backend)
+
+    def _load(self, members: Mapping[str, bytes], backend: Backend) -> None:
         self.manifest = json.loads(members["manifest.json"])
         plan = json.loads(members["plan.json"])
         self.device = backend.name
@@ -83,6 +89,10 @@ class DeviceModule:
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         arrays = check_inputs(self.inputs, inputs)
+        with self._backend.current():
+            return self._run(arrays)
+
+    def _run(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
         for (name, _, _), array in zip(self.inputs, arrays, strict=True):
             self._backend.upload(self._io[name], array)
         for _, function, grid, block, args in self._launches:

@@ -8,6 +8,7 @@ pyopencl is imported when the backend is made, not at import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping, Sequence
 
@@ -55,6 +56,10 @@ class OpenCLBackend:
         self._context = self._cl.Context([self.device])
         self._queue = self._cl.CommandQueue(self._context)
         self._kernels: dict = {}
+
+    def current(self) -> contextlib.AbstractContextManager:
+        """OpenCL calls name their context: nothing to make current (see CudaBackend)."""
+        return contextlib.nullcontext()
 
     def load(self, members: Mapping[str, bytes]) -> None:
         source = members["kernels.cl"].decode()
