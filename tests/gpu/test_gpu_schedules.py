@@ -23,6 +23,7 @@ from compiler_core.gpu.schedules import (
     elementwise_records,
     gpu_schedule_for,
     row_records,
+    template_for,
 )
 from compiler_core.gpu.verify import GpuScheduleError, verify_device
 from compiler_core.kernels.schedules import StageInfo
@@ -129,6 +130,18 @@ def test_dense_template_stages_both_operands_and_passes_every_check():
     assert barriers == 2  # both copies before one barrier; one barrier after the compute
     grid, block = launch_dims(scheduled)
     assert grid[0] == 2 and block[0] == 32  # a block per panel, a thread per panel column
+
+
+def test_a_one_row_gemm_folds_each_dot_product_with_a_block_of_threads():
+    # A batch-1 dense layer: the tiled template would give 2 blocks of 32 threads, each
+    # thread walking all of K alone; a block per output folds K with all of its threads.
+    func, stage = panel_gemm(m=1, n=64, k=256)
+    template = template_for(stage, SM90)
+    assert template.name == "gpu_row_reduction"
+    records = template.schedule(stage, None, default_config(template, stage, SM90), SM90)
+    grid, block = launch_dims(verify_device(apply(func, records), SM90))
+    assert grid[0] == 64 and block[0] == 256
+    assert template_for(panel_gemm(m=16)[1], SM90).name == "gpu_dense"  # rows to tile
 
 
 def without_barriers(func):
