@@ -121,24 +121,36 @@ def fastest_records(records: Iterable[TuningRecord]) -> dict[tuple[str, str], Tu
     return fastest
 
 
-def retime_tables(tasks: dict[str, Task], folder: Path, top: int = 3, rounds: int = 2) -> None:
+def retime_tables(
+    tasks: dict[str, Task], folder: Path, top: int = 3, rounds: int = 2, passes: int = 2
+) -> None:
     """Time each table's default and `top` fastest configs again, `rounds` times taking
-    turns (as the tuner re-times its best at the end): a config timed once in a busy second
-    would otherwise stay 1.5-2.5x slow in every replay (MobileNetV2's stem default read
-    137 us in its table, 55-58 us in eight live sessions)."""
+    turns (as the tuner re-times its best at the end), in `passes` passes over all the tables:
+    a config timed once in a busy second would otherwise stay 1.5-2.5x slow in every replay
+    (MobileNetV2's stem default read 137 us in its table, 55-58 us in eight live sessions, on
+    Zen 5). A pass over one table takes seconds, and a busy stretch can last longer: on Zen 4
+    the same default read 206-226 us in its sweep and in both rounds of a pass, all of its
+    neighbours ~127 us, and 130 us in a pass minutes later; the fastest is kept."""
     with Measurer(host_target()) as measurer:
-        for slug, task in tasks.items():
-            table = [r for r in read_table(slug, task, folder) if r.ok]
-            ranked = [r.config for r in sorted(table, key=lambda r: r.cost)][:top]
-            default = task.default_config()
-            configs = ranked + ([default] if default not in ranked else [])
-            per_config = measurer.measure_rounds(task, configs, rounds)
-            FileLog(folder / f"{slug}.jsonl").extend(
-                measured_record(task, config, result, measurer, retimed=True)
-                for config, results in zip(configs, per_config, strict=True)
-                for result in results
-            )
-            print(f"{slug}: {len(configs)} configs timed again", flush=True)
+        for _ in range(passes):
+            _retime_pass(tasks, folder, measurer, top, rounds)
+
+
+def _retime_pass(
+    tasks: dict[str, Task], folder: Path, measurer: Measurer, top: int, rounds: int
+) -> None:
+    for slug, task in tasks.items():
+        table = [r for r in read_table(slug, task, folder) if r.ok]
+        ranked = [r.config for r in sorted(table, key=lambda r: r.cost)][:top]
+        default = task.default_config()
+        configs = ranked + ([default] if default not in ranked else [])
+        per_config = measurer.measure_rounds(task, configs, rounds)
+        FileLog(folder / f"{slug}.jsonl").extend(
+            measured_record(task, config, result, measurer, retimed=True)
+            for config, results in zip(configs, per_config, strict=True)
+            for result in results
+        )
+        print(f"{slug}: {len(configs)} configs timed again", flush=True)
 
 
 # --- replay --------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ Replay (`--tables DIR`): live sessions take 3-4 minutes a seed and see the machi
 a change to the search reads through the noise only over many seeds. `--measure` times every
 config of every task of the model once (the tuner's Measurer, `bench.search`'s tables: about
 1800 configs, ~10 minutes for mobilenet_v2), then each task's default and three fastest
-again, as the tuner re-times its best (a table keeps each config at its fastest); the
+again, in two passes over the tables (a busy stretch can outlast one task's re-timing), as
+the tuner re-times its best (a table keeps each config at its fastest; `--measure` on
+measured tables re-times them once more); the
 sessions then run the tuner unchanged but answer each trial from those tables
 (`ReplayMeasurer`), so that two versions of the search are compared on the same costs, and
 many seeds take minutes.
