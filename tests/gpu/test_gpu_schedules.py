@@ -144,6 +144,20 @@ def test_a_one_row_gemm_folds_each_dot_product_with_a_block_of_threads():
     assert template_for(panel_gemm(m=16)[1], SM90).name == "gpu_dense"  # rows to tile
 
 
+def test_a_dense_conv_default_tile_leaves_the_grid_enough_threads():
+    def conv_stage(channels, size, inputs):
+        axes = (("c_rc", inputs), ("c_rk0", 3), ("c_rk1", 3))
+        return StageInfo("c", (1, channels, size, size), axes, True, "Conv", ())
+
+    gpu_conv = TEMPLATES["gpu_conv"]
+    tile = {
+        (channels, size): default_config(gpu_conv, conv_stage(channels, size, 64), SM90)["tile"]
+        for channels, size in ((64, 112), (64, 56), (256, 14))
+    }
+    # 802816 outputs: 8 channels a thread; 200704: 2; 50176: one
+    assert tile == {(64, 112): 8, (64, 56): 2, (256, 14): 1}
+
+
 def without_barriers(func):
     return dataclasses.replace(
         func,
