@@ -254,7 +254,46 @@ def device_module(funcs: Sequence[PrimFunc], name: str = "kiln_cuda") -> ir.Modu
     module.data_layout = DATA_LAYOUT
     for func in funcs:
         DeviceEmitter(module, func).emit()
+    _add_prefetch_kernel(module)
     return module
+
+
+# The runtime's L2 prefetch: `kiln_prefetch_l2(pointer, bytes)` asks for every 128-byte line
+# of a buffer (grid-stride), loading nothing into registers. The runtime launches it for a
+# kernel's large weights just before the kernel (see runtime/device.py).
+PREFETCH_KERNEL = "kiln_prefetch_l2"
+LINE_BYTES = 128
+
+
+def _add_prefetch_kernel(module: ir.Module) -> None:
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [PTR, I64]), PREFETCH_KERNEL)
+    base, nbytes = fn.args
+    entry, loop, body, done = (fn.append_basic_block(n) for n in ("entry", "loop", "body", "done"))
+    b = ir.IRBuilder(entry)
+
+    def register(name: str) -> ir.Value:
+        read = module.globals.get(f"llvm.nvvm.read.ptx.sreg.{name}")
+        if read is None:
+            read = ir.Function(module, ir.FunctionType(I32, []), f"llvm.nvvm.read.ptx.sreg.{name}")
+        return b.zext(b.call(read, []), I64)
+
+    thread = b.add(b.mul(register("ctaid.x"), register("ntid.x")), register("tid.x"))
+    start = b.mul(thread, I64(LINE_BYTES))
+    step = b.mul(b.mul(register("nctaid.x"), register("ntid.x")), I64(LINE_BYTES))
+    b.branch(loop)
+    b.position_at_end(loop)
+    offset = b.phi(I64)
+    offset.add_incoming(start, entry)
+    b.cbranch(b.icmp_unsigned("<", offset, nbytes), body, done)
+    b.position_at_end(body)
+    hint = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [PTR]), "prefetch.L2 [$0];", "l", True)
+    b.call(hint, [b.gep(base, [offset], source_etype=ir.IntType(8))])
+    offset.add_incoming(b.add(offset, step), body)
+    b.branch(loop)
+    b.position_at_end(done)
+    b.ret_void()
+    kernel = module.add_metadata([fn, "kernel", I32(1)])
+    module.add_named_metadata("nvvm.annotations", kernel)
 
 
 def _target_machine(arch: str) -> llvm.TargetMachine:

@@ -15,6 +15,12 @@ import numpy as np
 
 from compiler_core.errors import UserError
 
+# The prefetch kernel's launch: a thread per 128-byte line, at most this many blocks (a
+# grid-stride loop covers the rest).
+PREFETCH_LINE_BYTES = 128
+PREFETCH_THREADS = 256
+PREFETCH_MAX_BLOCKS = 1024
+
 
 class NoCudaDeviceError(UserError):
     """A CUDA archive loaded where no NVIDIA GPU can run it."""
@@ -94,6 +100,7 @@ class CudaBackend:
         image = members.get("model.cubin") if self.arch.encode() in manifest_arch else None
         with self.current():
             self._module = self._cuda.module_from_buffer(image or members["model.ptx"])
+        self._prefetcher = None  # the new module's prefetch kernel, prepared on first use
 
     def function(self, name: str):
         with self.current():
@@ -125,6 +132,20 @@ class CudaBackend:
             function.kiln_arity = len(args)
         with self.current():
             function.prepared_async_call(tuple(grid), tuple(block), self._stream, *args)
+
+    def prefetch(self, kernel: str, buffer, nbytes: int) -> None:
+        """Stream `nbytes` at `buffer` into L2 with the module's prefetch kernel `kernel`
+        (a hint: it loads nothing into registers), a thread per 128-byte line, grid-stride."""
+        if self._prefetcher is None:
+            with self.current():
+                self._prefetcher = self._module.get_function(kernel)
+            self._prefetcher.prepare("PQ")
+        lines = -(-nbytes // PREFETCH_LINE_BYTES)
+        blocks = max(1, min(-(-lines // PREFETCH_THREADS), PREFETCH_MAX_BLOCKS))
+        with self.current():
+            self._prefetcher.prepared_async_call(
+                (blocks, 1, 1), (PREFETCH_THREADS, 1, 1), self._stream, buffer, np.uint64(nbytes)
+            )
 
     def synchronize(self) -> None:
         with self.current():

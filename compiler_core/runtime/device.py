@@ -32,6 +32,7 @@ class Backend(Protocol):
     def upload(self, buffer, array: np.ndarray) -> None: ...
     def download(self, buffer, array: np.ndarray) -> None: ...
     def launch(self, function, grid: Sequence[int], block: Sequence[int], args: list) -> None: ...
+    def prefetch(self, kernel: str, buffer, nbytes: int) -> None: ...
     def synchronize(self) -> None: ...
     def time_launches(self, launches: list, number: int) -> float: ...
     def free_all(self) -> None: ...
@@ -74,6 +75,16 @@ class DeviceModule:
             )
             for launch in plan["launches"]
         ]
+        # Per launch, the weights to stream into L2 just before it (an archive built before
+        # the plan listed them has none): (pointer, bytes).
+        self._prefetch_kernel = plan.get("prefetch_kernel")
+        self._prefetches = [
+            [
+                (self._pointer(value, plan, sizes), sizes[value]["nbytes"])
+                for value in launch.get("prefetch", ())
+            ]
+            for launch in plan["launches"]
+        ]
         self._copied_outputs = plan["copied_outputs"]  # output -> an input or a weight
         self._weight_offsets = plan["weight_offsets"]
 
@@ -95,7 +106,11 @@ class DeviceModule:
     def _run(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
         for (name, _, _), array in zip(self.inputs, arrays, strict=True):
             self._backend.upload(self._io[name], array)
-        for _, function, grid, block, args in self._launches:
+        for (_, function, grid, block, args), prefetches in zip(
+            self._launches, self._prefetches, strict=True
+        ):
+            for buffer, nbytes in prefetches:
+                self._backend.prefetch(self._prefetch_kernel, buffer, nbytes)
             self._backend.launch(function, grid, block, args)
         self._backend.synchronize()
         outputs = {}

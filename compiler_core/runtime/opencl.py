@@ -61,6 +61,9 @@ class OpenCLBackend:
         """OpenCL calls name their context: nothing to make current (see CudaBackend)."""
         return contextlib.nullcontext()
 
+    def prefetch(self, kernel: str, buffer, nbytes: int) -> None:
+        """Nothing: an L2 prefetch is a hint with no semantics for the twin to check."""
+
     def load(self, members: Mapping[str, bytes]) -> None:
         source = members["kernels.cl"].decode()
         self._program = self._cl.Program(self._context, source).build()

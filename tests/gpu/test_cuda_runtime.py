@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import zipfile
@@ -98,3 +99,29 @@ def test_opencl_twin_runs_and_rejects_bad_inputs():
         module.run({"x": x.astype(np.float64)})
     with pytest.raises(compiler_core.runtime.InputError, match="missing"):
         module.run({})
+
+
+def test_the_plan_prefetches_each_launchs_large_weights_into_l2():
+    # A launch's weights of 64 KB or more are streamed into L2 just before it (a GPU kernel
+    # would otherwise take each first-touch miss in its own thread); small ones are not.
+    from compiler_core.gpu.archive import PREFETCH_MIN_BYTES
+
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((256, 128)).astype(np.float32)  # 128 KB
+    small = rng.standard_normal((128, 8)).astype(np.float32)  # 4 KB
+    model = make_model(
+        [
+            helper.make_node("MatMul", ["x", "big"], ["h"]),
+            helper.make_node("MatMul", ["h", "small"], ["y"]),
+        ],
+        [("x", 1, [1, 256])],
+        [("y", 1, [1, 8])],
+        {"big": big, "small": small},
+    )
+    archive = compiler_core.compile(model, target="cuda -arch=sm_90")
+    plan = json.loads(archive.members["plan.json"])
+    sizes = {v["name"]: v["nbytes"] for v in plan["values"]}
+    prefetched = [w for launch in plan["launches"] for w in launch["prefetch"]]
+    assert len(prefetched) == 1 and sizes[prefetched[0]] >= PREFETCH_MIN_BYTES
+    assert all(w in launch["args"] for launch in plan["launches"] for w in launch["prefetch"])
+    assert plan["prefetch_kernel"].encode() in archive.members["model.ptx"]

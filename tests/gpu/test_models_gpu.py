@@ -37,7 +37,8 @@ def test_every_kernel_assembles_with_ptxas(name, arch):
     graph = optimize(import_model(shared_model(name), shapes=SHAPES.get(name)), target=target)
     model = build_gpu_graph(graph, target)
     ptx = nvptx.emit_ptx(model.functions, arch)
-    assert ptx.count(".entry") == len(model.functions)
+    assert ptx.count(".entry") == len(model.functions) + 1  # and the runtime's L2 prefetch
+    assert f".entry {nvptx.PREFETCH_KERNEL}(" in ptx
     cubin = nvptx.assemble(ptx, arch)  # raises with ptxas's message on any rejection
     assert cubin
     assert {launch.kernel for launch in model.launches} == {f.name for f in model.functions}
