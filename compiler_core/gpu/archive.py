@@ -7,13 +7,20 @@ import json
 
 from compiler_core.build import describe_types
 from compiler_core.codegen import nvptx, opencl
-from compiler_core.gpu.build import GpuModel
+from compiler_core.gpu.build import GpuModel, Launch
+from compiler_core.loop.ir import Allocate
+from compiler_core.loop.transform import walk_stmts
 
 # A launch's weights of at least this size are streamed into L2 just before it (the plan's
-# `prefetch` lists; `nvptx.PREFETCH_KERNEL` does it). A conv's weights otherwise arrive by
-# its threads' own first-touch misses, each thread waiting on its own: on an H200, resnet18's
-# launches took 3.34 ms in sequence, 2.12 with its 19 weights of 64 KB or more prefetched
-# (46.7 MB a run; all of a run's weights do not stay in the 60 MB L2 from one run to the next).
+# `prefetch` lists; `nvptx.PREFETCH_KERNEL` does it) when its kernel reads them thread by
+# thread. A direct conv's weights otherwise arrive by its threads' own first-touch misses,
+# each thread waiting on its own: on an H200, resnet18's launches took 3.34 ms in sequence,
+# 2.12 with its 19 weights of 64 KB or more prefetched (46.7 MB a run; a run's weights do not
+# stay in the 60 MB L2 from one run to the next). A kernel with shared memory (operands
+# staged by the whole block, or a block folding a reduction) already reads its weights
+# coalesced, many loads in flight: prefetching them too cost more than it saved there
+# (encoder4's tiled GEMMs 1.08 -> 1.20 ms a run, the batch-1 MLP's dot products 0.089 ->
+# 0.121 ms).
 PREFETCH_MIN_BYTES = 64 * 1024
 
 
@@ -39,7 +46,7 @@ def plan_of(model: GpuModel) -> dict:
                 "grid": list(l.grid),
                 "block": list(l.block),
                 "args": list(l.args),
-                "prefetch": _prefetched(model, l.args),
+                "prefetch": _prefetched(model, l),
             }
             for l in model.launches
         ],
@@ -48,9 +55,13 @@ def plan_of(model: GpuModel) -> dict:
     }
 
 
-def _prefetched(model: GpuModel, args) -> list[str]:
-    """The launch's weights worth streaming into L2 before it (each once)."""
-    weights = dict.fromkeys(a for a in args if a in model.weights.offsets)
+def _prefetched(model: GpuModel, launch: Launch) -> list[str]:
+    """The launch's weights worth streaming into L2 before it (each once): none when its
+    kernel uses shared memory (see PREFETCH_MIN_BYTES)."""
+    func = next(f for f in model.functions if f.name == launch.kernel)
+    if any(isinstance(s, Allocate) and s.buffer.scope == "shared" for s in walk_stmts(func.body)):
+        return []
+    weights = dict.fromkeys(a for a in launch.args if a in model.weights.offsets)
     return [w for w in weights if _nbytes(model, w) >= PREFETCH_MIN_BYTES]
 
 

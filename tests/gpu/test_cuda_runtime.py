@@ -101,27 +101,34 @@ def test_opencl_twin_runs_and_rejects_bad_inputs():
         module.run({})
 
 
-def test_the_plan_prefetches_each_launchs_large_weights_into_l2():
-    # A launch's weights of 64 KB or more are streamed into L2 just before it (a GPU kernel
-    # would otherwise take each first-touch miss in its own thread); small ones are not.
+def test_the_plan_prefetches_the_large_weights_a_direct_conv_reads():
+    # A direct conv's threads read its weights themselves: its weights of 64 KB or more are
+    # streamed into L2 just before it; small ones are not, nor those of a kernel that stages
+    # them through shared memory or folds them across a block (the batch-1 MatMul here).
     from compiler_core.gpu.archive import PREFETCH_MIN_BYTES
 
     rng = np.random.default_rng(0)
-    big = rng.standard_normal((256, 128)).astype(np.float32)  # 128 KB
-    small = rng.standard_normal((128, 8)).astype(np.float32)  # 4 KB
+    weights = {
+        "big": rng.standard_normal((64, 64, 3, 3)).astype(np.float32),  # 144 KB
+        "small": rng.standard_normal((8, 64, 1, 1)).astype(np.float32),  # 2 KB
+        "dense": rng.standard_normal((512, 128)).astype(np.float32),  # 256 KB
+    }
     model = make_model(
         [
-            helper.make_node("MatMul", ["x", "big"], ["h"]),
-            helper.make_node("MatMul", ["h", "small"], ["y"]),
+            helper.make_node("Conv", ["x", "big"], ["h"], pads=[1, 1, 1, 1]),
+            helper.make_node("Conv", ["h", "small"], ["c"]),
+            helper.make_node("Flatten", ["c"], ["f"]),
+            helper.make_node("MatMul", ["f", "dense"], ["y"]),
         ],
-        [("x", 1, [1, 256])],
-        [("y", 1, [1, 8])],
-        {"big": big, "small": small},
+        [("x", 1, [1, 64, 8, 8])],
+        [("y", 1, [1, 128])],
+        weights,
     )
     archive = compiler_core.compile(model, target="cuda -arch=sm_90")
     plan = json.loads(archive.members["plan.json"])
     sizes = {v["name"]: v["nbytes"] for v in plan["values"]}
-    prefetched = [w for launch in plan["launches"] for w in launch["prefetch"]]
-    assert len(prefetched) == 1 and sizes[prefetched[0]] >= PREFETCH_MIN_BYTES
-    assert all(w in launch["args"] for launch in plan["launches"] for w in launch["prefetch"])
+    prefetching = [launch for launch in plan["launches"] if launch["prefetch"]]
+    assert len(prefetching) == 1 and "Conv" in prefetching[0]["kernel"]
+    (weight,) = prefetching[0]["prefetch"]
+    assert weight in prefetching[0]["args"] and sizes[weight] >= PREFETCH_MIN_BYTES
     assert plan["prefetch_kernel"].encode() in archive.members["model.ptx"]
