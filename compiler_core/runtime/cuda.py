@@ -151,9 +151,17 @@ class CudaBackend:
         with self.current():
             self._stream.synchronize()
 
-    def time_launch(self, function, grid, block, args) -> float:
-        """One launch timed with CUDA events, in seconds."""
-        return self.time_launches([(function, grid, block, args)], 1)
+    def time_each(self, steps) -> list[float]:
+        """Seconds of each step (a callable that issues launches), the steps run once in
+        order with a CUDA event recorded between consecutive ones."""
+        with self.current():
+            marks = [self._cuda.Event() for _ in range(len(steps) + 1)]
+            marks[0].record(self._stream)
+            for step, mark in zip(steps, marks[1:], strict=True):
+                step()
+                mark.record(self._stream)
+            marks[-1].synchronize()
+            return [a.time_till(b) / 1000.0 for a, b in zip(marks, marks[1:], strict=False)]
 
     def time_launches(self, launches, number: int) -> float:
         """Seconds per pass of `launches` (function, grid, block, args), `number` passes timed

@@ -95,8 +95,19 @@ class OpenCLBackend:
     def synchronize(self) -> None:
         self._queue.finish()
 
-    def time_launch(self, function, grid, block, args) -> float:
-        return self.time_launches([(function, grid, block, args)], 1)
+    def time_each(self, steps) -> list[float]:
+        """Seconds of each step (a callable that issues launches), the steps run once in
+        order: the host clock around each and the queue's finish."""
+        import time
+
+        self.synchronize()
+        seconds = []
+        for step in steps:
+            started = time.perf_counter()
+            step()
+            self.synchronize()
+            seconds.append(time.perf_counter() - started)
+        return seconds
 
     def time_launches(self, launches, number: int) -> float:
         """Seconds per pass of `launches` (function, grid, block, args): the host clock

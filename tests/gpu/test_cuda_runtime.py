@@ -101,19 +101,15 @@ def test_opencl_twin_runs_and_rejects_bad_inputs():
         module.run({})
 
 
-def test_the_plan_prefetches_the_large_weights_a_direct_conv_reads():
-    # A direct conv's threads read its weights themselves: its weights of 64 KB or more are
-    # streamed into L2 just before it; small ones are not, nor those of a kernel that stages
-    # them through shared memory or folds them across a block (the batch-1 MatMul here).
-    from compiler_core.gpu.archive import PREFETCH_MIN_BYTES
-
+def _convs_then_dense():
+    """Two convs (one with 144 KB of weights) and a batch-1 MatMul (256 KB)."""
     rng = np.random.default_rng(0)
     weights = {
-        "big": rng.standard_normal((64, 64, 3, 3)).astype(np.float32),  # 144 KB
-        "small": rng.standard_normal((8, 64, 1, 1)).astype(np.float32),  # 2 KB
-        "dense": rng.standard_normal((512, 128)).astype(np.float32),  # 256 KB
+        "big": rng.standard_normal((64, 64, 3, 3)).astype(np.float32),
+        "small": rng.standard_normal((8, 64, 1, 1)).astype(np.float32),
+        "dense": rng.standard_normal((512, 128)).astype(np.float32),
     }
-    model = make_model(
+    return make_model(
         [
             helper.make_node("Conv", ["x", "big"], ["h"], pads=[1, 1, 1, 1]),
             helper.make_node("Conv", ["h", "small"], ["c"]),
@@ -124,6 +120,28 @@ def test_the_plan_prefetches_the_large_weights_a_direct_conv_reads():
         [("y", 1, [1, 128])],
         weights,
     )
+
+
+@pytest.mark.skipif(not opencl_available()[0], reason="no OpenCL device")
+def test_the_profile_times_every_launch_inside_a_run_of_the_plan():
+    archive = compiler_core.compile(_convs_then_dense(), target="cuda -arch=sm_90")
+    plan = json.loads(archive.members["plan.json"])
+    module = load(archive, device="opencl")
+    x = np.random.default_rng(1).standard_normal((1, 64, 8, 8)).astype(np.float32)
+    before = module.run({"x": x})["y"]
+    rows = module.profile({"x": x}, repeats=3)
+    assert [name for name, _ in rows] == [launch["kernel"] for launch in plan["launches"]]
+    assert all(seconds > 0 for _, seconds in rows)
+    np.testing.assert_array_equal(module.run({"x": x})["y"], before)
+
+
+def test_the_plan_prefetches_the_large_weights_a_direct_conv_reads():
+    # A direct conv's threads read its weights themselves: its weights of 64 KB or more are
+    # streamed into L2 just before it; small ones are not, nor those of a kernel that stages
+    # them through shared memory or folds them across a block (the batch-1 MatMul here).
+    from compiler_core.gpu.archive import PREFETCH_MIN_BYTES
+
+    model = _convs_then_dense()
     archive = compiler_core.compile(model, target="cuda -arch=sm_90")
     plan = json.loads(archive.members["plan.json"])
     sizes = {v["name"]: v["nbytes"] for v in plan["values"]}
