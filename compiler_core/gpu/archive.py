@@ -8,7 +8,7 @@ import json
 from compiler_core.build import describe_types
 from compiler_core.codegen import nvptx, opencl
 from compiler_core.gpu.build import GpuModel, Launch
-from compiler_core.loop.ir import Allocate
+from compiler_core.loop.ir import Allocate, PrimFunc
 from compiler_core.loop.transform import walk_stmts
 
 # A launch's weights of at least this size are streamed into L2 just before it (the plan's
@@ -26,6 +26,7 @@ PREFETCH_MIN_BYTES = 64 * 1024
 
 def plan_of(model: GpuModel) -> dict:
     graph = model.graph
+    staging = {f.name for f in model.functions if _uses_shared_memory(f)}
     named = {a for launch in model.launches for a in launch.args}
     named |= set(model.weights.offsets)
     copied = {
@@ -46,7 +47,7 @@ def plan_of(model: GpuModel) -> dict:
                 "grid": list(l.grid),
                 "block": list(l.block),
                 "args": list(l.args),
-                "prefetch": _prefetched(model, l),
+                "prefetch": [] if l.kernel in staging else _large_weights(model, l),
             }
             for l in model.launches
         ],
@@ -55,12 +56,15 @@ def plan_of(model: GpuModel) -> dict:
     }
 
 
-def _prefetched(model: GpuModel, launch: Launch) -> list[str]:
-    """The launch's weights worth streaming into L2 before it (each once): none when its
-    kernel uses shared memory (see PREFETCH_MIN_BYTES)."""
-    func = next(f for f in model.functions if f.name == launch.kernel)
-    if any(isinstance(s, Allocate) and s.buffer.scope == "shared" for s in walk_stmts(func.body)):
-        return []
+def _uses_shared_memory(func: PrimFunc) -> bool:
+    """Whether a kernel stages operands or folds a reduction through shared memory: it then
+    reads its weights coalesced already, and is not prefetched for (see PREFETCH_MIN_BYTES)."""
+    allocations = (s for s in walk_stmts(func.body) if isinstance(s, Allocate))
+    return any(s.buffer.scope == "shared" for s in allocations)
+
+
+def _large_weights(model: GpuModel, launch: Launch) -> list[str]:
+    """The launch's weights worth streaming into L2 before it, each once."""
     weights = dict.fromkeys(a for a in launch.args if a in model.weights.offsets)
     return [w for w in weights if _nbytes(model, w) >= PREFETCH_MIN_BYTES]
 

@@ -125,27 +125,28 @@ class CudaBackend:
             self._stream.synchronize()
 
     def launch(self, function, grid: Sequence[int], block: Sequence[int], args: list) -> None:
-        # Every argument of a launch is a device pointer: a prepared call packs them by that
-        # format, where the generic call inspects each argument's type on every launch.
-        if getattr(function, "kiln_arity", None) != len(args):
-            function.prepare("P" * len(args))
-            function.kiln_arity = len(args)
-        with self.current():
-            function.prepared_async_call(tuple(grid), tuple(block), self._stream, *args)
+        # Every argument of a launch is a device pointer.
+        self._call(function, "P" * len(args), grid, block, args)
 
     def prefetch(self, kernel: str, buffer, nbytes: int) -> None:
         """Stream `nbytes` at `buffer` into L2 with the module's prefetch kernel `kernel`
         (a hint: it loads nothing into registers), a thread per 128-byte line, grid-stride."""
         if self._prefetcher is None:
-            with self.current():
-                self._prefetcher = self._module.get_function(kernel)
-            self._prefetcher.prepare("PQ")
+            self._prefetcher = self.function(kernel)
         lines = -(-nbytes // PREFETCH_LINE_BYTES)
         blocks = max(1, min(-(-lines // PREFETCH_THREADS), PREFETCH_MAX_BLOCKS))
+        grid, block = (blocks, 1, 1), (PREFETCH_THREADS, 1, 1)
+        self._call(self._prefetcher, "PQ", grid, block, [buffer, np.uint64(nbytes)])
+
+    def _call(self, function, arg_format: str, grid, block, args) -> None:
+        """A prepared launch on the stream: the arguments packed by `arg_format` (prepared
+        once per function), where pycuda's generic call inspects each argument's type on
+        every launch."""
+        if getattr(function, "kiln_format", None) != arg_format:
+            function.prepare(arg_format)
+            function.kiln_format = arg_format
         with self.current():
-            self._prefetcher.prepared_async_call(
-                (blocks, 1, 1), (PREFETCH_THREADS, 1, 1), self._stream, buffer, np.uint64(nbytes)
-            )
+            function.prepared_async_call(tuple(grid), tuple(block), self._stream, *args)
 
     def synchronize(self) -> None:
         with self.current():
