@@ -5,6 +5,7 @@ log without re-measuring, and builds apply the best records (and only the valid 
 from __future__ import annotations
 
 import dataclasses
+import random
 import subprocess
 import sys
 import time
@@ -254,7 +255,7 @@ def test_the_model_ranks_neighbours_of_the_best_measured_configs(target, measure
     near = [
         c for c in rest if search._one_knob_apart(c, best) or search._one_knob_apart(c, space[0])
     ]
-    candidates = tuner._candidates(state, rest)
+    candidates = tuner._candidates(state, rest, search.SCORED_PER_ROUND)
     assert len(candidates) == min(search.SCORED_PER_ROUND, len(rest))
     assert len({config_key(c) for c in candidates}) == len(candidates)
     close = [c for c in candidates if c in near]
@@ -377,6 +378,55 @@ def test_a_first_batch_measures_the_configs_proven_on_other_workloads(tmp_path, 
         rest = [c for c in space if c != default]
         assert tuner._proven(state, rest) == [favourite, runner_up]
         assert tuner._choose(state, 4)[:3] == [default, favourite, runner_up]
+
+
+def pointwise_conv_model(channels: int = 64, size: int = 14):
+    """A 1x1 conv whose space (60 configs) is larger than what a batch ranks."""
+    weight = (RNG.standard_normal((channels, channels, 1, 1)) * 0.1).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Relu", ["c"], ["z"])]
+    shape = [1, channels, size, size]
+    return make_model(nodes, [("x", FLOAT, shape)], [("z", FLOAT, shape)], {"w": weight})
+
+
+@pytest.mark.parametrize("others", [search.INFORMED_WORKLOADS, search.INFORMED_WORKLOADS - 1])
+def test_a_model_informed_by_many_workloads_picks_a_first_batch_from_the_whole_space(
+    tmp_path, target, measurer, others
+):
+    """Trained on INFORMED_WORKLOADS other workloads, the model picks all of a task's first
+    batch but the default: its INFORMED_PICKS top configs of the whole space (not of a sample
+    of SCORED_PER_ROUND), no proven and no random ones. Trained on fewer, the first batch is
+    half a batch with proven configs."""
+    (task,) = tasks_of(pointwise_conv_model())
+    space = task.space()
+    assert len(space) > search.SCORED_PER_ROUND
+    rng = random.Random(5)
+    costs = {config_key(c): rng.uniform(1.0, 3.0) for c in space}  # the same on every workload
+    with FileLog(tmp_path / "source.jsonl") as source:
+        for k in range(others):
+            other = dataclasses.replace(task, key=f"other-workload-{k}")
+            source.extend(
+                search.measured_record(
+                    other,
+                    config,
+                    search.Result(costs=(costs[config_key(config)],)),
+                    measurer,
+                    features=search.config_features(task, config),
+                )
+                for config in space[k::3]
+            )
+        log = FileLog(tmp_path / "t.jsonl")
+        tuner = Tuner([task], target, log, measurer, batch=8, seed=1, transfer_from=[source])
+    (state,) = tuner.states
+    default = task.default_config()
+    batch = tuner._choose(state, tuner._batch_for(state))
+    if others < search.INFORMED_WORKLOADS:
+        assert not tuner._informed(state) and len(batch) == 4
+        return
+    assert tuner._informed(state) and len(batch) == 1 + search.INFORMED_PICKS
+    rest = [c for c in space if c != default]
+    scores = tuner.model.predict(np.stack([search.config_features(task, c) for c in rest]))
+    top = [rest[k] for k in np.argsort(-scores)[: search.INFORMED_PICKS]]
+    assert batch == [top[0], default, *top[1:]]
 
 
 def test_a_proven_config_is_mapped_to_the_nearest_config_of_the_space():
