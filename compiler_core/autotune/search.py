@@ -74,14 +74,15 @@ GRADIENT_WINDOW = 8
 RECENT_SHARE = 0.5
 # A model trained on at least INFORMED_WORKLOADS other workloads is trusted with a task's
 # first batch: it ranks the task's whole space (up to FIRST_SCORED configs, not a sample of
-# SCORED_PER_ROUND), and the batch is the default (the baseline) and its INFORMED_PICKS top
-# picks, no proven configs and no random ones. Trained on ResNet-18's 16 workloads of a Zen 4
-# log, the model's first pick in each of MobileNetV2's 31 measured spaces ran at a median 95%
-# of the space's best, the best of its top four at 100%; its top pick in a sample of 32 missed
-# most of the best ones. Replayed there (bench.transfer --tables, 12 seeds), a session
-# warm from ResNet-18's log reached 95% of the final quality in 26 trials instead of 41
-# (a first batch of 4, proven configs and an epsilon share), and the cold session, which
-# becomes informed after 8 tasks, ended no worse. First batches of 2 or 4 read worse (33).
+# SCORED_PER_ROUND, which holds a space's best config with a chance of 32 in the space's
+# 100-600), and the batch is the default (the baseline) and its INFORMED_PICKS top picks, no
+# proven configs and no random ones. Fit on a Zen 4 log of ResNet-18's 16 workloads, the
+# model's first pick in each of MobileNetV2's 31 measured spaces ran at a median 95% of the
+# space's best, the best of its top four at 100%. Replayed there (bench.transfer --tables,
+# 12 seeds), a session warm from that log reached 95% of the final quality in 28 trials
+# instead of 41 (a first batch of 4: proven configs, an epsilon share and one model pick),
+# and the cold session, informed after 8 tasks, ended better (2.806 ms against 2.830).
+# First batches of 2 or 4 read 33 trials; every trained model informed slowed the cold one.
 INFORMED_WORKLOADS = 8
 INFORMED_PICKS = 2
 FIRST_SCORED = 256

@@ -29,6 +29,7 @@ def plan_of(model: GpuModel) -> dict:
     staging = {f.name for f in model.functions if _uses_shared_memory(f)}
     named = {a for launch in model.launches for a in launch.args}
     named |= set(model.weights.offsets)
+    sizes = _value_sizes(model)
     copied = {
         name: name if name in graph.inputs else name
         for name in graph.outputs
@@ -40,14 +41,14 @@ def plan_of(model: GpuModel) -> dict:
         "workspace_bytes": model.memory.workspace_bytes,
         "workspace_offsets": model.memory.offsets,
         "weight_offsets": model.weights.offsets,
-        "values": [{"name": v, "nbytes": _nbytes(model, v)} for v in sorted(named)],
+        "values": [{"name": v, "nbytes": sizes[v]} for v in sorted(named)],
         "launches": [
             {
                 "kernel": l.kernel,
                 "grid": list(l.grid),
                 "block": list(l.block),
                 "args": list(l.args),
-                "prefetch": [] if l.kernel in staging else _large_weights(model, l),
+                "prefetch": [] if l.kernel in staging else _large_weights(model, sizes, l),
             }
             for l in model.launches
         ],
@@ -63,20 +64,22 @@ def _uses_shared_memory(func: PrimFunc) -> bool:
     return any(s.buffer.scope == "shared" for s in allocations)
 
 
-def _large_weights(model: GpuModel, launch: Launch) -> list[str]:
+def _large_weights(model: GpuModel, sizes: dict[str, int], launch: Launch) -> list[str]:
     """The launch's weights worth streaming into L2 before it, each once."""
     weights = dict.fromkeys(a for a in launch.args if a in model.weights.offsets)
-    return [w for w in weights if _nbytes(model, w) >= PREFETCH_MIN_BYTES]
+    return [w for w in weights if sizes[w] >= PREFETCH_MIN_BYTES]
 
 
-def _nbytes(model: GpuModel, value: str) -> int:
-    if value in model.graph.types:
-        return model.graph.types[value].nbytes
-    for func in model.functions:  # a packed weight or a scratch buffer: its parameter's size
-        for launch in model.launches:
-            if launch.kernel == func.name and value in launch.args:
-                return func.params[launch.args.index(value)].nbytes
-    raise KeyError(value)
+def _value_sizes(model: GpuModel) -> dict[str, int]:
+    """Bytes of every value the launches pass: a graph value's from its type, a packed weight's
+    or a scratch buffer's from the parameter of the first kernel it is passed to."""
+    params = {func.name: func.params for func in model.functions}
+    sizes = {}
+    for launch in model.launches:
+        for param, value in zip(params[launch.kernel], launch.args, strict=True):
+            sizes.setdefault(value, param.nbytes)
+    sizes.update((v, t.nbytes) for v, t in model.graph.types.items())
+    return sizes
 
 
 def members_of(model: GpuModel) -> dict[str, bytes]:

@@ -84,5 +84,9 @@ def test_tables_are_timed_again_in_passes_over_every_table(tmp_path, bench_searc
     bench_search.retime_tables(tables, tmp_path, top=1, rounds=1, passes=2)
     retimed = [r for r in FileLog(tmp_path / "t.jsonl").records() if r.retimed]
     timed = {r.config_key for r in retimed}
-    assert config_key(task.default_config()) in timed and len(timed) <= 2
-    assert len(retimed) == 2 * len(timed)  # each config once per pass
+    default = config_key(task.default_config())
+    assert default in timed and len(timed) <= 2
+    # The default once per pass; the fastest other config once in each pass it was the
+    # fastest (the first pass's timing can make the default the fastest for the second).
+    assert sum(r.config_key == default for r in retimed) == 2
+    assert len(retimed) in ((3, 4) if len(timed) == 2 else (2,))
