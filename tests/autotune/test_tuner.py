@@ -419,11 +419,13 @@ def test_a_model_informed_by_many_workloads_picks_a_first_batch_from_the_whole_s
     (state,) = tuner.states
     default = task.default_config()
     batch = tuner._choose(state, tuner._batch_for(state))
+    rest = [c for c in space if c != default]
     if others < search.INFORMED_WORKLOADS:
         assert not tuner._informed(state) and len(batch) == 4
+        proven = tuner._proven(state, rest)
+        assert proven and all(c in batch for c in proven)
         return
     assert tuner._informed(state) and len(batch) == 1 + search.INFORMED_PICKS
-    rest = [c for c in space if c != default]
     scores = tuner.model.predict(np.stack([search.config_features(task, c) for c in rest]))
     top = [rest[k] for k in np.argsort(-scores)[: search.INFORMED_PICKS]]
     assert batch == [top[0], default, *top[1:]]
