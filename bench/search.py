@@ -45,7 +45,12 @@ from compiler_core.autotune.cost_model import AUTO, OBJECTIVES, CostModel, top_k
 from compiler_core.autotune.features import FEATURE_SET
 from compiler_core.autotune.measure import Measurer, Result
 from compiler_core.autotune.records import FileLog, TuningRecord, open_log
-from compiler_core.autotune.search import Tuner, config_features, measured_record
+from compiler_core.autotune.search import (
+    Tuner,
+    config_features,
+    measured_record,
+    retime_configs,
+)
 from compiler_core.autotune.tasks import Task, config_key, extract_tasks
 from compiler_core.frontend.onnx import import_model
 from compiler_core.passes.pipeline import optimize
@@ -140,10 +145,8 @@ def _retime_pass(
     tasks: dict[str, Task], folder: Path, measurer: Measurer, top: int, rounds: int
 ) -> None:
     for slug, task in tasks.items():
-        table = [r for r in read_table(slug, task, folder) if r.ok]
-        ranked = [r.config for r in sorted(table, key=lambda r: r.cost)][:top]
-        default = task.default_config()
-        configs = ranked + ([default] if default not in ranked else [])
+        table = [(r.cost, r.config) for r in read_table(slug, task, folder) if r.ok]
+        configs = retime_configs(table, task, top)
         per_config = measurer.measure_rounds(task, configs, rounds)
         FileLog(folder / f"{slug}.jsonl").extend(
             measured_record(task, config, result, measurer, retimed=True)

@@ -229,7 +229,7 @@ class Tuner:
         their last search measurement are left alone. Returns the measurements taken."""
         taken = 0
         for state in self.states:
-            configs = [] if state.retimed else self._retime_configs(state)
+            configs = [] if state.retimed else retime_configs(state.measured, state.task)
             if len(configs) > 1:
                 per_config = self.measurer.measure_rounds(state.task, configs, RETIME_ROUNDS)
                 for round_ in range(RETIME_ROUNDS):
@@ -239,20 +239,6 @@ class Tuner:
             state.retimed = True
         self.retimings += taken
         return taken
-
-    def _retime_configs(self, state: TaskState) -> list[dict]:
-        """The task's best configs (each at its fastest measurement) and its default."""
-        fastest: dict[str, tuple[float, dict]] = {}
-        for cost, config in state.measured:
-            key = config_key(config)
-            if key not in fastest or cost < fastest[key][0]:
-                fastest[key] = (cost, config)
-        ranked = [config for _, config in sorted(fastest.values(), key=lambda m: m[0])]
-        chosen = ranked[:RETIME_TOP]
-        default = state.task.default_config()
-        if config_key(default) in fastest and default not in chosen:
-            chosen.append(default)
-        return chosen
 
     def _retime_seconds(self) -> float:
         """Seconds the re-timing still to come may take, at this session's measuring rate
@@ -496,6 +482,25 @@ class Tuner:
         return estimated_time(
             (s.task.weight, min(s.best_cost, s.default_cost)) for s in self.states
         )
+
+
+def retime_configs(
+    measured: Iterable[tuple[float, dict]], task: Task, top: int = RETIME_TOP
+) -> list[dict]:
+    """What a re-timing times again: the `top` fastest of the `measured` (cost, config)
+    pairs, each config at its fastest measurement, and the task's default when it was
+    measured (the tuner's `retime`; bench's replay tables are re-timed alike)."""
+    fastest: dict[str, tuple[float, dict]] = {}
+    for cost, config in measured:
+        key = config_key(config)
+        if key not in fastest or cost < fastest[key][0]:
+            fastest[key] = (cost, config)
+    ranked = [config for _, config in sorted(fastest.values(), key=lambda m: m[0])]
+    chosen = ranked[:top]
+    default = task.default_config()
+    if config_key(default) in fastest and default not in chosen:
+        chosen.append(default)
+    return chosen
 
 
 def _gradient(state: TaskState) -> float:

@@ -31,9 +31,7 @@ def plan_of(model: GpuModel) -> dict:
     named |= set(model.weights.offsets)
     sizes = _value_sizes(model)
     copied = {
-        name: name if name in graph.inputs else name
-        for name in graph.outputs
-        if name in graph.inputs or name in graph.constants
+        name: name for name in graph.outputs if name in graph.inputs or name in graph.constants
     }
     return {
         "inputs": describe_types(graph, graph.inputs),

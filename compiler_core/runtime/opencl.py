@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -98,8 +99,6 @@ class OpenCLBackend:
     def time_each(self, steps) -> list[float]:
         """Seconds of each step (a callable that issues launches), the steps run once in
         order: the host clock around each and the queue's finish."""
-        import time
-
         self.synchronize()
         seconds = []
         for step in steps:
@@ -112,8 +111,6 @@ class OpenCLBackend:
     def time_launches(self, launches, number: int) -> float:
         """Seconds per pass of `launches` (function, grid, block, args): the host clock
         around `number` passes and the queue's finish (PoCL has no cheaper exact timer)."""
-        import time
-
         self.synchronize()
         started = time.perf_counter()
         for _ in range(number):
