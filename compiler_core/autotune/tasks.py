@@ -159,8 +159,12 @@ def workload_of(lowered: LoweredGroup, tunable: Tunable) -> tuple[str, str]:
 
 
 def flops_of(tunable: Tunable) -> float:
-    anchor = tunable.anchor
-    return 2.0 * math.prod(anchor.shape) * math.prod(e for _, e in anchor.reduce_axes)
+    """Multiply-adds x 2 of the anchor and, for a chained group, of the conv it computes
+    inside itself (an expand conv's, over its whole output)."""
+    stages = [tunable.anchor]
+    if tunable.anchor.note("producer") is not None:
+        stages.append(tunable.anchor.note("producer"))
+    return sum(2.0 * math.prod(s.shape) * math.prod(e for _, e in s.reduce_axes) for s in stages)
 
 
 def extract_tasks(graph: Graph, target: Target | None = None) -> list[Task]:

@@ -345,6 +345,8 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         group_blocks=group_blocks,
         algorithms=algorithms,
         algorithm=chosen,
+        strides=strides,
+        in_width=x.shape[-2],  # a chained depthwise conv's tile reads rows this wide
     )
     bias = _blocked_bias(ctx, node, m, block)
     if bias is None and row == width:

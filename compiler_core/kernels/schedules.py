@@ -978,6 +978,118 @@ def _row_knobs(out: StageInfo, target: Target) -> tuple[Knob, ...]:
     return (Knob("per_row", (0, 1), 1),)
 
 
+# --- an expand conv computed inside its depthwise conv ----------------------------------------
+
+# A chained group's tile of expanded rows (a stack buffer of the thread that computes it): the
+# default tile holds at most CHAIN_TILE_BYTES (L2-resident on every x86 core we target, beside
+# the rows of input it reads), a tuned one at most CHAIN_MAX_TILE_BYTES.
+CHAIN_TILE_BYTES = 128 * 1024
+CHAIN_MAX_TILE_BYTES = 256 * 1024
+
+
+def chain_producer(anchor: StageInfo) -> StageInfo:
+    """The expand conv a chained depthwise conv reads (see `tunable_of`)."""
+    return anchor.note("producer")
+
+
+def _chain_rows(dw: StageInfo) -> tuple[int, int]:
+    """(stride, taps) of a chained depthwise conv along its rows: a tile of r output rows reads
+    (r - 1) * stride + taps rows of the expand conv's output."""
+    return int(dw.note("strides")[0]), dict(dw.reduce_axes)[f"{dw.name}_rk0"]
+
+
+def chain_tile_bytes(dw: StageInfo, rows: int) -> int:
+    """Bytes of the expand conv's output that a tile of `rows` output rows reads."""
+    stride, taps = _chain_rows(dw)
+    producer = chain_producer(dw)
+    width, block = dw.note("in_width"), producer.shape[-1]
+    return ((rows - 1) * stride + taps) * width * block * 4
+
+
+def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
+    producer = chain_producer(dw)
+    height, width = dw.shape[2], dw.shape[3]
+    rows = tuple(
+        r
+        for r in range(1, height + 1)
+        if height % r == 0 and chain_tile_bytes(dw, r) <= CHAIN_MAX_TILE_BYTES
+    )
+    default_rows = max(
+        (r for r in rows if chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES), default=rows[0]
+    )
+    in_width = dw.note("in_width")
+    most = _nchwc_most(producer.shape[-1], target)
+    bound = _nchwc_preferred(False, producer.shape[-1], target)
+    expand_tiles = tuple(t for t in range(1, most + 1) if in_width % t == 0)
+    expand_tile = _largest_divisor(in_width, tuple(range(bound, 0, -1)))
+    dw_most = _nchwc_most(dw.shape[-1], target)
+    dw_tiles = tuple(t for t in range(1, dw_most + 1) if width % t == 0)
+    dw_tile = _largest_divisor(
+        width, tuple(range(_nchwc_preferred(True, dw.shape[-1], target), 0, -1))
+    )
+    return (
+        Knob("rows", rows, default_rows),
+        Knob("expand_tile", expand_tiles, expand_tile),
+        Knob("tile", dw_tiles, dw_tile),
+        Knob("unroll_kw", (0, 1), 1),
+    )
+
+
+def nchwc_chain_schedule(
+    dw: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
+) -> list[Record]:
+    """A depthwise conv with the 1x1 conv that expands its input computed inside it: per
+    channel block and tile of `rows` output rows (the parallel loop), the expand conv writes
+    the rows of its output that the tile reads to a stack buffer (register tiles of
+    `expand_tile` pixels, its epilogue inlined into the depthwise conv's reads), then the
+    depthwise conv reads them from cache (tiles of `tile` pixels, the taps along the row
+    unrolled with `unroll_kw`). Neighbouring tiles recompute the rows they share: (taps -
+    stride) rows per tile."""
+    producer = chain_producer(dw)
+    n_loop, mo_loop, y_loop, x_loop, mi_loop = (dw.loop(k) for k in range(5))
+    rows = Split(y_loop, int(config["rows"]))
+    at = ComputeAt(producer.name, rows.outer, CHAIN_MAX_TILE_BYTES)
+    records: list[Record] = [rows, at]
+    # The expand conv over its tile: pixels x one channel block in registers over its channels.
+    px_loop, pmi_loop = at.moved(producer.loop(3)), at.moved(producer.loop(4))
+    expand_reduce = [name for name, _ in producer.reduce_axes]
+    pixels = Split(px_loop, int(config["expand_tile"]))
+    expand_cache = CacheWrite(producer.name, expand_reduce[0])
+    records += [
+        pixels,
+        Reorder((pixels.outer, *expand_reduce, pixels.inner, pmi_loop)),
+        expand_cache,
+        Vectorize(pmi_loop),
+        Unroll(pixels.inner),
+        *_vector_tile_io(expand_cache, len(producer.shape)),
+    ]
+    # The depthwise conv over the tile's rows, as an unchained one.
+    taps = [name for name, _ in dw.reduce_axes]
+    tile = Split(x_loop, int(config["tile"]))
+    cache = CacheWrite(dw.name, taps[0])
+    records += [
+        tile,
+        Reorder((rows.inner, tile.outer, *taps, tile.inner, mi_loop)),
+        cache,
+        Vectorize(mi_loop),
+        Unroll(tile.inner),
+        *_vector_tile_io(cache, len(dw.shape)),
+    ]
+    if config["unroll_kw"]:
+        records.append(Unroll(taps[-1]))
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    fused, parallel = fuse_all([n_loop, mo_loop, rows.outer])
+    return [*records, *fused, Parallel(parallel)]
+
+
+def _chain_fits(dw: StageInfo, config: Mapping[str, object], target: Target) -> bool:
+    expand_most = _nchwc_most(chain_producer(dw).shape[-1], target)
+    fits = int(config["expand_tile"]) <= expand_most
+    fits = fits and int(config["tile"]) <= _nchwc_most(dw.shape[-1], target)
+    return fits and chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
+
+
 # --- templates: the default schedules with their knobs --------------------------------------
 
 
@@ -1008,6 +1120,9 @@ TEMPLATES: dict[str, Template] = {
     "conv2d_nchwc": Template("conv2d_nchwc", 3, _nchwc_knobs, nchwc_conv_schedule, _nchwc_fits),
     "dense": Template("dense", 2, _matmul_knobs, matmul_schedule, _matmul_fits),
     "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
+    "conv2d_nchwc_chain": Template(
+        "conv2d_nchwc_chain", 1, _chain_knobs, nchwc_chain_schedule, _chain_fits
+    ),
 }
 
 
@@ -1130,6 +1245,11 @@ def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
         return Tunable(template, row, None, template.knobs(row, target), target)
     if anchor is None:
         return None
+    chained = _chained_depthwise(anchor, kept, inlined, stages)
+    if chained is not None:
+        template = TEMPLATES["conv2d_nchwc_chain"]
+        epilogue = _epilogue_of(chained, kept, inlined, stages)
+        return Tunable(template, chained, epilogue, template.knobs(chained, target), target)
     layout = anchor.note("layout")
     if anchor.op == "Conv" and layout in ("nchwc", "nchwc_depthwise"):
         template = TEMPLATES["conv2d_nchwc"]
@@ -1139,6 +1259,17 @@ def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
         return None
     epilogue = _epilogue_of(anchor, kept, inlined, stages)
     return Tunable(template, anchor, epilogue, template.knobs(anchor, target), target)
+
+
+def _chained_depthwise(expand: StageInfo, kept: list[StageInfo], inlined: set[str], all_stages):
+    """The group's depthwise conv, carrying the expand conv it reads as its `producer` note,
+    when the fusion pass chained the two (`fuse_operators`); else None."""
+    for s in kept:
+        chained = s.note("layout") == "nchwc_depthwise" and s is not expand
+        if chained and _kept_sources(s, inlined, all_stages) == {expand.name}:
+            notes = {**dict(s.notes), "producer": expand}
+            return dataclasses.replace(s, notes=tuple(sorted(notes.items())))
+    return None
 
 
 def schedule_for(

@@ -5,7 +5,11 @@ Rules, written against pattern kinds only (TVM's):
   broadcast ops that consume its result (bias, residual Add, Relu, Clip...): its epilogue;
 - chains of ELEMWISE/BROADCAST/INJECTIVE ops fuse together, and into a REDUCTION that
   consumes them; a reduction absorbs an elementwise epilogue;
-- two heavy ops (OUT_ELEMWISE_FUSABLE or REDUCTION) never share a group;
+- two heavy ops (OUT_ELEMWISE_FUSABLE or REDUCTION) never share a group, with one exception:
+  a depthwise conv joins the group of the pointwise (1x1) conv that expands its input (a
+  MobileNet block's expand -> depthwise pair, both channel-blocked): the kernel then computes
+  the expanded channels a tile of rows at a time, in cache, instead of writing the widest
+  tensor of the block to memory and reading it back;
 - OPAQUE ops stay alone.
 
 A node joins its producer's group only through a value that no one else reads (and that is
@@ -19,6 +23,7 @@ import dataclasses
 
 from compiler_core.graph.ir import FusionGroup, Graph, Node, OpKind
 from compiler_core.graph.ops import OP_TABLE
+from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 
 NAME = "fuse_operators"
 HEAVY = (OpKind.OUT_ELEMWISE_FUSABLE, OpKind.REDUCTION)
@@ -115,9 +120,10 @@ def _choose_group(graph, node, kind, group_of, groups, reads) -> int | None:
             continue
         g = group_of[producer.name]
         group = groups[g]
-        if kind in HEAVY and group.anchor_kind is not None:
+        chained = _expands_into_depthwise(graph, graph.node_by_name.get(group.anchor), node)
+        if kind in HEAVY and group.anchor_kind is not None and not chained:
             continue  # two heavy ops never fuse
-        if not _can_absorb(group, kind):
+        if not chained and not _can_absorb(group, kind):
             continue
         if not _keeps_dag(graph, node, g, group_of, reads):
             continue
@@ -128,6 +134,33 @@ def _choose_group(graph, node, kind, group_of, groups, reads) -> int | None:
     # residual Add that is the main path's conv, not the shortcut's.
     anchored = [g for g in candidates if groups[g].anchor_kind is not None]
     return (anchored or candidates)[0]
+
+
+def _expands_into_depthwise(graph: Graph, anchor: Node | None, node: Node) -> bool:
+    """Whether `node` is a 2-D depthwise conv of channel-blocked data that reads (through the
+    anchor's elementwise epilogue) a 1x1, stride-1, unpadded, ungrouped conv writing its
+    data's channel blocks (from plain or blocked data): the pair one kernel computes a tile
+    of rows at a time."""
+    if anchor is None or anchor.op != "Conv" or node.op != "Conv":
+        return False
+    if anchor.name == node.name or not _blocked_2d(graph, anchor) or not _blocked_2d(graph, node):
+        return False
+    expand_w = graph.constants[anchor.inputs[1]].shape
+    depthwise_w = graph.constants[node.inputs[1]].shape
+    pads, strides, dilations = spatial_params(anchor, 2)
+    pointwise = tuple(expand_w[2:]) == (1, 1) and anchor.attr("group", 1) == 1
+    pointwise = pointwise and not any(pads) and strides == (1, 1) and dilations == (1, 1)
+    groups = node.attr("group", 1)
+    depthwise = depthwise_w[1] == 1 and groups == depthwise_w[0] > 1
+    depthwise = depthwise and spatial_params(node, 2)[2] == (1, 1)
+    same_blocks = conv_layouts(anchor)[1] == conv_layouts(node)[0] == conv_layouts(node)[1]
+    return pointwise and depthwise and same_blocks
+
+
+def _blocked_2d(graph: Graph, conv: Node) -> bool:
+    """A conv with constant 2-D filters, writing channel blocks."""
+    weights = graph.constants.get(conv.inputs[1]) if len(conv.inputs) > 1 else None
+    return weights is not None and weights.ndim == 4 and conv_layouts(conv)[1] > 0
 
 
 def _keeps_dag(graph, node, target, group_of, reads) -> bool:

@@ -41,7 +41,14 @@ from compiler_core.loop.ir import (
     Var,
     seq,
 )
-from compiler_core.loop.simplify import affine, bounds, max_value, simplify_expr, simplify_stmt
+from compiler_core.loop.simplify import (
+    affine,
+    bounds,
+    max_value,
+    simplify_expr,
+    simplify_stmt,
+    value_range,
+)
 from compiler_core.loop.transform import (
     find_loop,
     map_expr,
@@ -152,10 +159,20 @@ class ReverseComputeInline:
     stage: str
 
 
+# ComputeAt shrinks a workspace stage to the region one iteration computes, on the stack of
+# the loop's thread, when that region is at most this big (L1-sized).
+MAX_LOCAL_BYTES = 32 * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class ComputeAt:
+    """Compute `stage` inside `loop`, just the region one iteration of the loop reads. The
+    region is shrunk to a stack buffer of the loop's thread when it holds at most
+    `local_bytes` (L1-sized by default; a fused producer's tile of rows may ask for L2)."""
+
     stage: str
     loop: str
+    local_bytes: int = MAX_LOCAL_BYTES
 
     def moved(self, loop: str) -> str:
         """The name of `loop`, a spatial loop of the stage's own nest, once moved inside
@@ -270,9 +287,6 @@ RECORD_TYPES: dict[str, type] = {
 }
 MAX_VECTOR_LANES = 64
 MAX_UNROLL = 256
-# ComputeAt shrinks a workspace stage to the region one iteration computes, on the stack of
-# the loop's thread, when that region is at most this big (L1-sized).
-MAX_LOCAL_BYTES = 32 * 1024
 
 
 def to_json(schedule: Sequence[Record]) -> str:
@@ -689,6 +703,32 @@ def _folded_store(store: Store, read: list[str], final: Store, consumer: Buffer,
     return folded
 
 
+def _clamped(e: Expr, size: int) -> Expr | None:
+    """The index `e` of a padded read's clamp into 0..size-1 (`max(min(e, size - 1), 0)`, or
+    either half where the simplifier decided the other), else None."""
+    clamped = False
+    if isinstance(e, Binary) and e.op == "max" and e.b == Const(0, INDEX):
+        e, clamped = e.a, True
+    if isinstance(e, Binary) and e.op == "min" and e.b == Const(size - 1, INDEX):
+        e, clamped = e.a, True
+    return e if clamped else None
+
+
+def _span(index: Expr, size: int, inner_ranges: dict[str, int]):
+    """(start, extent, overhangs) of an index over the inner loops, or None when it is not
+    affine. A clamped index (a padded read) lies where its unclamped one does, within the
+    dimension: a constant span is cut to the dimension; a moving one is kept whole
+    (`overhangs`: its ends past the dimension are computed under guards)."""
+    unclamped = _clamped(index, size)
+    span = bounds(unclamped if unclamped is not None else index, inner_ranges)
+    if span is None or unclamped is None:
+        return span if span is None else (*span, False)
+    if not isinstance(span[0], Const):
+        return (*span, True)
+    low = max(int(span[0].value), 0)
+    return Const(low, INDEX), min(int(span[0].value) + span[1], size) - low, False
+
+
 def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
     """(start expressions, extents) of `buffer` touched inside `loop`, per dimension."""
     accesses: list[tuple[Expr, ...]] = []
@@ -701,13 +741,14 @@ def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
             ]
     starts, extents = [], []
     for dim, size in enumerate(buffer.shape):
-        spans = [bounds(idx[dim], inner_ranges) for idx in accesses]
+        spans = [_span(idx[dim], size, inner_ranges) for idx in accesses]
         if not spans or any(s is None for s in spans) or len({str(s[0]) for s in spans}) > 1:
             starts.append(Const(0, INDEX))  # not affine, or several bases: the whole dimension
             extents.append(size)
         else:
             starts.append(spans[0][0])
-            extents.append(min(max(s[1] for s in spans), size))
+            widest = max(s[1] for s in spans)
+            extents.append(widest if any(s[2] for s in spans) else min(widest, size))
     return starts, extents
 
 
@@ -715,6 +756,12 @@ def _needs_guard(start: Expr, extent: int, size: int, ranges: dict[str, int]) ->
     """Whether start + (0..extent-1) can run past `size` for some values of the loops."""
     largest = max_value(start, ranges)
     return largest is None or largest + extent > size
+
+
+def _may_start_below_zero(start: Expr, ranges: dict[str, int]) -> bool:
+    """Whether a region's start can be negative (a padded read's first row, clamped)."""
+    span = value_range(start, ranges)
+    return span is None or span[0] < 0
 
 
 def _enclosing_ranges(func: PrimFunc, loop: For) -> dict[str, int]:
@@ -750,22 +797,28 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
     if [loop.var for loop in spatial] != list(store.indices):
         raise ScheduleError(f"{r}: apply compute_at before transforming {r.stage!r}'s loops")
     ranges = _enclosing_ranges(func, target) | {target.var.name: target.extent}
-    mapping, guards, loops = {}, [], []
+    mapping, loops = {}, []
     for loop, start, extent, size in zip(spatial, starts, extents, buffer.shape, strict=True):
         local = Var(r.moved(loop.var.name))
         index = Binary("add", start, local)
         mapping[loop.var.name] = index
-        loops.append((local, extent))
+        # A region that may run past the dimension (a tile of rows at an edge of a padded
+        # read) computes only the elements inside it: the guards test each dimension inside
+        # its own loop, so the loops inside a guard stay one nest to schedule.
+        guards = []
+        if _may_start_below_zero(start, ranges):
+            guards.append(Binary("ge", index, Const(0, INDEX)))
         if _needs_guard(start, extent, size, ranges):
             guards.append(Binary("lt", index, Const(size, INDEX)))
+        loops.append((local, extent, guards))
     body = substitute(spatial[-1].body, mapping)
-    for guard in guards:
-        body = IfThenElse(guard, body)
-    for local, extent in reversed(loops):
+    for local, extent, guards in reversed(loops):
+        for guard in guards:
+            body = IfThenElse(guard, body)
         body = For(local, extent, body)
     inside = seq(body, target.body)
     local = Buffer(buffer.name, tuple(extents), buffer.dtype, "local")
-    if buffer.scope == "workspace" and local.nbytes <= MAX_LOCAL_BYTES:
+    if buffer.scope == "workspace" and local.nbytes <= r.local_bytes:
         inside = _shrunk(func.body, nest, target, buffer, local, starts, inside)
     moved = dataclasses.replace(target, body=inside)
     new_body = replace_stmt(func.body, target, moved)

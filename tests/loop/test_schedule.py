@@ -333,3 +333,56 @@ def test_a_record_that_breaks_the_function_is_named_by_the_replay():
     the error is the one the first bad record causes."""
     with pytest.raises(ScheduleError, match="exceeds the extent"):
         apply(BASE, [Split("c_i1", 4), Split("c_i0", 7), Vectorize("c_i1_i")])
+
+
+ROWS, COLUMNS, TAPS = 10, 3, 3
+
+
+def padded_window_sum():
+    """c = a @ b (10 rows); d[i, j] = sum over 3 taps of c's rows i-1..i+1, zero past the
+    edges, read as a padded conv reads (a select over a clamped index): the pattern of an
+    expand conv computed inside the depthwise conv that reads it."""
+    from compiler_core.kernels.injective import clamp
+    from compiler_core.loop.ir import INDEX, Select, logical_and
+
+    a = te.placeholder((ROWS, K), "float32", "a")
+    b = te.placeholder((K, COLUMNS), "float32", "b")
+    kk, tap = te.reduce_axis(K, "kk"), te.reduce_axis(TAPS, "t")
+    c = te.compute((ROWS, COLUMNS), lambda i, j: te.reduce_sum(a[i, kk] * b[kk, j], kk), "c")
+
+    def window(i, j):
+        row = i + tap - Const(1, INDEX)
+        inside = logical_and(row >= Const(0, INDEX), row < Const(ROWS, INDEX))
+        return te.reduce_sum(Select(inside, c[clamp(row, ROWS), j], Const(0.0, "float32")), tap)
+
+    d = te.compute((ROWS, COLUMNS), window, "d")
+    return te.lower([a, b], [d], "window")
+
+
+def run_window(func):
+    rng = np.random.default_rng(3)
+    args = {
+        "a": rng.standard_normal((ROWS, K)).astype(np.float32),
+        "b": rng.standard_normal((K, COLUMNS)).astype(np.float32),
+        "d": np.zeros((ROWS, COLUMNS), np.float32),
+    }
+    interpreter.run(func, args)
+    return args["d"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 10])
+def test_compute_at_a_tile_of_rows_of_a_padded_read_computes_its_halo_under_guards(rows):
+    """Per tile of `rows` rows of d, c's rows the tile reads (its halo included) in a local
+    buffer: the halo past the edges is not computed (guarded), the clamped reads never touch
+    it, and the result is the unscheduled one."""
+    from compiler_core.loop.ir import Allocate, IfThenElse
+
+    base = padded_window_sum()
+    tiles = Split("d_i0", rows)
+    at = ComputeAt("c", tiles.outer)
+    func = apply(base, [tiles, at, Split(at.moved("c_i1"), 2)])
+    np.testing.assert_allclose(run_window(func), run_window(base), rtol=1e-5, atol=1e-5)
+    (local,) = [s.buffer for s in walk_stmts(func.body) if isinstance(s, Allocate)]
+    assert local.scope == "local" and local.shape == (rows + TAPS - 1, COLUMNS)
+    guarded = [s for s in walk_stmts(func.body) if isinstance(s, IfThenElse)]
+    assert guarded  # the halo rows at the edges

@@ -1,0 +1,150 @@
+"""A 1x1 expand conv chained into the depthwise conv that reads it (one kernel computing the
+expanded channels a tile of rows at a time): against ONNX Runtime, at every knob value the
+tuner may pick, and the fusion rule's limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+import compiler_core
+from compiler_core.autotune.measure import MeasureOptions, Measurer
+from compiler_core.autotune.tasks import extract_tasks
+from compiler_core.frontend.onnx import import_model
+from compiler_core.passes.pipeline import optimize
+from compiler_core.runtime import load
+from compiler_core.target import host_target, parse_target
+from tests.conftest import FLOAT, assert_close_to_scale, make_model
+
+RNG = np.random.default_rng(5)
+
+
+def rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def expand_depthwise(c=16, m=96, size=(20, 20), stride=1, kernel=3, expand_pads=0, expand_stride=1):
+    """x -> 1x1 conv (c -> m) -> ReLU6 -> depthwise kxk conv (pad k//2) -> ReLU6 -> y."""
+    pad = kernel // 2
+    nodes = [
+        helper.make_node(
+            "Conv",
+            ["x", "we", "be"],
+            ["e"],
+            name="expand",
+            kernel_shape=[1, 1],
+            pads=[expand_pads] * 4,
+            strides=[expand_stride] * 2,
+        ),
+        helper.make_node("Clip", ["e", "lo", "hi"], ["e6"], name="relu6a"),
+        helper.make_node(
+            "Conv",
+            ["e6", "wd", "bd"],
+            ["d"],
+            name="depthwise",
+            kernel_shape=[kernel, kernel],
+            strides=[stride, stride],
+            pads=[pad] * 4,
+            group=m,
+        ),
+        helper.make_node("Clip", ["d", "lo", "hi"], ["y"], name="relu6b"),
+    ]
+    grown = [(s + 2 * expand_pads - 1) // expand_stride + 1 for s in size]
+    out = [(s + 2 * pad - kernel) // stride + 1 for s in grown]
+    weights = {
+        "we": rand(m, c, 1, 1, scale=0.4),
+        "be": rand(m, scale=0.5),
+        "wd": rand(m, 1, kernel, kernel, scale=0.4),
+        "bd": rand(m, scale=0.5),
+        "lo": np.array(0.0, np.float32),
+        "hi": np.array(6.0, np.float32),
+    }
+    return make_model(nodes, [("x", FLOAT, [1, c, *size])], [("y", FLOAT, [1, m, *out])], weights)
+
+
+def ort_output(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["y"], feeds)[0]
+
+
+CASES = {
+    "stride1": lambda: expand_depthwise(size=(20, 20)),
+    "stride2": lambda: expand_depthwise(size=(20, 20), stride=2),
+    "stride2_odd": lambda: expand_depthwise(c=8, m=48, size=(15, 13), stride=2),
+    "kernel5": lambda: expand_depthwise(size=(14, 14), kernel=5),
+    "wide_rows": lambda: expand_depthwise(c=24, m=144, size=(9, 56)),
+}
+
+
+def chained_groups(model):
+    graph = optimize(import_model(model), target=host_target())
+    ops = [[graph.node_by_name[n].op for n in group.nodes] for group in graph.groups]
+    return graph, ops
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_expand_and_depthwise_share_a_kernel_and_match_onnxruntime(name):
+    model = CASES[name]()
+    _, ops = chained_groups(model)
+    assert ["Conv", "Clip", "Conv", "Clip"] in ops, ops
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = {"x": rand(*shape)}
+    module = load(compiler_core.compile(model))
+    assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
+
+
+def test_a_chained_pair_is_one_task_of_the_chain_template_counting_both_convs():
+    graph, _ = chained_groups(CASES["stride2"]())
+    (task,) = extract_tasks(graph)
+    assert task.tunable.template.name == "conv2d_nchwc_chain"
+    expand = 2 * 96 * 16 * 20 * 20
+    depthwise = 2 * 96 * 9 * 10 * 10
+    assert task.flops == pytest.approx(expand + depthwise)
+
+
+def test_every_knob_value_of_a_chained_pair_measures_correct():
+    """Each knob off its default, one at a time (tiles of one row up to the whole plane, every
+    register tile of both convs), checked by the measurer against the reference answer."""
+    graph, _ = chained_groups(CASES["stride2_odd"]())
+    (task,) = extract_tasks(graph)
+    default = task.tunable.default_config()
+    configs = [default] + [
+        {**default, knob.name: value}
+        for knob in task.tunable.knobs
+        for value in knob.choices
+        if value != knob.default and task.tunable.fits({**default, knob.name: value})
+    ]
+    assert len({c["rows"] for c in configs}) > 1
+    with Measurer(parse_target("llvm"), MeasureOptions(repeats=1, min_repeat_seconds=0)) as m:
+        results = m.measure(task, configs)
+    errors = [
+        (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
+    ]
+    assert not errors, errors[:3]
+
+
+def shared_expansion():
+    """The expanded tensor is also a graph output: it must be written whole anyway."""
+    model = expand_depthwise()
+    model.graph.output.append(helper.make_tensor_value_info("e6", FLOAT, [1, 96, 20, 20]))
+    return model
+
+
+@pytest.mark.parametrize(
+    "name, model",
+    [
+        ("padded expand", lambda: expand_depthwise(expand_pads=1)),
+        ("strided expand", lambda: expand_depthwise(expand_stride=2)),
+        ("expansion read twice", shared_expansion),
+    ],
+)
+def test_no_chain_where_the_expand_conv_is_not_a_plain_pointwise_one(name, model):
+    model = model()
+    _, ops = chained_groups(model)
+    assert ["Conv", "Clip", "Conv", "Clip"] not in ops, (name, ops)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = {"x": rand(*shape)}
+    module = load(compiler_core.compile(model))
+    assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
