@@ -1009,14 +1009,18 @@ def chain_tile_bytes(dw: StageInfo, rows: int) -> int:
 def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
     producer = chain_producer(dw)
     height, width = dw.shape[2], dw.shape[3]
+    # Tiles of rows that fit the stack buffer; a row so wide that one does not still computes
+    # a tile of one row (in the group's workspace buffer: see ComputeAt).
     rows = tuple(
         r
         for r in range(1, height + 1)
         if height % r == 0 and chain_tile_bytes(dw, r) <= CHAIN_MAX_TILE_BYTES
-    )
-    default_rows = max(
-        (r for r in rows if chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES), default=rows[0]
-    )
+    ) or (1,)
+    # The default: the tallest tile that fits CHAIN_TILE_BYTES and leaves two tiles of work
+    # per core (channel blocks x tiles of rows), else the tallest that fits.
+    fitting = [r for r in rows if chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES] or [rows[0]]
+    busy = [r for r in fitting if dw.shape[1] * (height // r) >= 2 * target.cores]
+    default_rows = max(busy or fitting)
     in_width = dw.note("in_width")
     most = _nchwc_most(producer.shape[-1], target)
     bound = _nchwc_preferred(False, producer.shape[-1], target)
@@ -1086,8 +1090,7 @@ def nchwc_chain_schedule(
 def _chain_fits(dw: StageInfo, config: Mapping[str, object], target: Target) -> bool:
     expand_most = _nchwc_most(chain_producer(dw).shape[-1], target)
     fits = int(config["expand_tile"]) <= expand_most
-    fits = fits and int(config["tile"]) <= _nchwc_most(dw.shape[-1], target)
-    return fits and chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
+    return fits and int(config["tile"]) <= _nchwc_most(dw.shape[-1], target)
 
 
 # --- templates: the default schedules with their knobs --------------------------------------
