@@ -1007,36 +1007,51 @@ def chain_tile_bytes(dw: StageInfo, rows: int) -> int:
 
 
 def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
-    producer = chain_producer(dw)
     height, width = dw.shape[2], dw.shape[3]
-    # Tiles of rows that fit the stack buffer; a row so wide that one does not still computes
-    # a tile of one row (in the group's workspace buffer: see ComputeAt).
+    stride, taps = _chain_rows(dw)
+    # Tiles of rows that fit the stack buffer and recompute at most half again the rows they
+    # read (the whole height recomputes nothing: its halo lies past the edges); a row so wide
+    # that no tile fits still gets tiles of one row (in the group's workspace buffer).
     rows = tuple(
         r
         for r in range(1, height + 1)
-        if height % r == 0 and chain_tile_bytes(dw, r) <= CHAIN_MAX_TILE_BYTES
+        if height % r == 0
+        and chain_tile_bytes(dw, r) <= CHAIN_MAX_TILE_BYTES
+        and (r == height or 2 * ((r - 1) * stride + taps) <= 3 * r * stride)
     ) or (1,)
     # The default: the tallest tile that fits CHAIN_TILE_BYTES and leaves two tiles of work
     # per core (channel blocks x tiles of rows), else the tallest that fits.
     fitting = [r for r in rows if chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES] or [rows[0]]
     busy = [r for r in fitting if dw.shape[1] * (height // r) >= 2 * target.cores]
-    default_rows = max(busy or fitting)
-    in_width = dw.note("in_width")
-    most = _nchwc_most(producer.shape[-1], target)
-    bound = _nchwc_preferred(False, producer.shape[-1], target)
-    expand_tiles = tuple(t for t in range(1, most + 1) if in_width % t == 0)
-    expand_tile = _largest_divisor(in_width, tuple(range(bound, 0, -1)))
-    dw_most = _nchwc_most(dw.shape[-1], target)
-    dw_tiles = tuple(t for t in range(1, dw_most + 1) if width % t == 0)
-    dw_tile = _largest_divisor(
-        width, tuple(range(_nchwc_preferred(True, dw.shape[-1], target), 0, -1))
+    block = chain_producer(dw).shape[-1]
+    expand_tiles, expand_tile = _chain_tiles(
+        dw.note("in_width"), _nchwc_preferred(False, block, target), _nchwc_most(block, target)
     )
+    most = min(_nchwc_most(dw.shape[-1], target), CHAIN_DEPTHWISE_MOST)
+    tiles, tile = _chain_tiles(width, _nchwc_preferred(True, dw.shape[-1], target), most)
     return (
-        Knob("rows", rows, default_rows),
+        Knob("rows", rows, max(busy or fitting)),
         Knob("expand_tile", expand_tiles, expand_tile),
-        Knob("tile", dw_tiles, dw_tile),
-        Knob("unroll_kw", (0, 1), 1),
+        Knob("tile", tiles, tile),
     )
+
+
+# A chained depthwise conv's register tiles: at least CHAIN_LEAST_TILE pixels (fewer leave
+# the FMA chains idle), at most CHAIN_DEPTHWISE_MOST (the input vectors of a row's taps
+# stay live beside the accumulators).
+CHAIN_LEAST_TILE = 4
+CHAIN_DEPTHWISE_MOST = 16
+
+
+def _chain_tiles(width: int, preferred: int, most: int) -> tuple[tuple[int, ...], int]:
+    """(choices, default) of a register tile along a row of `width` pixels: the divisors
+    from CHAIN_LEAST_TILE to `most`; the default the largest up to `preferred`, else the
+    smallest above it (a prime row is one tile), else the largest that fits."""
+    divisors = [t for t in range(1, most + 1) if width % t == 0]
+    choices = [t for t in divisors if t >= min(CHAIN_LEAST_TILE, width)] or divisors[-1:]
+    below = [t for t in choices if t <= preferred]
+    default = max(below) if below else min(choices)
+    return tuple(choices), default
 
 
 def nchwc_chain_schedule(
@@ -1047,7 +1062,7 @@ def nchwc_chain_schedule(
     the rows of its output that the tile reads to a stack buffer (register tiles of
     `expand_tile` pixels, its epilogue inlined into the depthwise conv's reads), then the
     depthwise conv reads them from cache (tiles of `tile` pixels, the taps along the row
-    unrolled with `unroll_kw`). Neighbouring tiles recompute the rows they share: (taps -
+    unrolled). Neighbouring tiles recompute the rows they share: (taps -
     stride) rows per tile."""
     producer = chain_producer(dw)
     n_loop, mo_loop, y_loop, x_loop, mi_loop = (dw.loop(k) for k in range(5))
@@ -1079,18 +1094,11 @@ def nchwc_chain_schedule(
         Unroll(tile.inner),
         *_vector_tile_io(cache, len(dw.shape)),
     ]
-    if config["unroll_kw"]:
-        records.append(Unroll(taps[-1]))
+    records.append(Unroll(taps[-1]))  # the row's taps: its input vectors loaded once
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     fused, parallel = fuse_all([n_loop, mo_loop, rows.outer])
     return [*records, *fused, Parallel(parallel)]
-
-
-def _chain_fits(dw: StageInfo, config: Mapping[str, object], target: Target) -> bool:
-    expand_most = _nchwc_most(chain_producer(dw).shape[-1], target)
-    fits = int(config["expand_tile"]) <= expand_most
-    return fits and int(config["tile"]) <= _nchwc_most(dw.shape[-1], target)
 
 
 # --- templates: the default schedules with their knobs --------------------------------------
@@ -1123,9 +1131,7 @@ TEMPLATES: dict[str, Template] = {
     "conv2d_nchwc": Template("conv2d_nchwc", 3, _nchwc_knobs, nchwc_conv_schedule, _nchwc_fits),
     "dense": Template("dense", 2, _matmul_knobs, matmul_schedule, _matmul_fits),
     "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
-    "conv2d_nchwc_chain": Template(
-        "conv2d_nchwc_chain", 1, _chain_knobs, nchwc_chain_schedule, _chain_fits
-    ),
+    "conv2d_nchwc_chain": Template("conv2d_nchwc_chain", 1, _chain_knobs, nchwc_chain_schedule),
 }
 
 

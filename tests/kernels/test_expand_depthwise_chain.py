@@ -75,6 +75,8 @@ CASES = {
     "stride2_odd": lambda: expand_depthwise(c=8, m=48, size=(15, 13), stride=2),
     "kernel5": lambda: expand_depthwise(size=(14, 14), kernel=5),
     "wide_rows": lambda: expand_depthwise(c=24, m=144, size=(9, 56)),
+    # Rows of a prime width: both convs compute rows padded to a good register tile.
+    "prime_width": lambda: expand_depthwise(c=16, m=32, size=(11, 23)),
 }
 
 
