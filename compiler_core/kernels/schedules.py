@@ -77,15 +77,46 @@ def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[S
     depthwise_reads = {
         read for s in stages if s.note("layout") == "nchwc_depthwise" for read in s.reads
     }
+    chained = _chained_epilogues(stages)
     records, kept = [], []
     for s in stages:
         keep_padding = s.name.startswith("pad") and s.name not in depthwise_reads
-        keep = keep_padding or kept_by_builder(s)
+        keep = keep_padding or kept_by_builder(s) or s.name in chained
         if s.pure and not s.output and not keep:
             records.append(ComputeInline(s.name))
         else:
             kept.append(s)
     return records, kept
+
+
+def _chained_epilogues(stages: list[StageInfo]) -> set[str]:
+    """The last stage of each expand conv's epilogue that a depthwise conv reads (through its
+    padding): kept, so that a chained group's expand conv applies it once, in the store of its
+    tile (`nchwc_chain_schedule`), not the depthwise conv at each of its taps."""
+    by_name = {s.name: s for s in stages}
+
+    def feeds_from_conv(stage: StageInfo) -> bool:  # pure stages back to a blocked conv
+        for read in stage.reads:
+            source = by_name.get(read)
+            if source is None:
+                continue
+            if source.note("layout") == "nchwc" and source.reduce_axes:
+                return True
+            if source.pure and feeds_from_conv(source):
+                return True
+        return False
+
+    kept = set()
+    for dw in stages:
+        if dw.note("layout") != "nchwc_depthwise":
+            continue
+        for read in dw.reads:
+            stage = by_name.get(read)
+            if stage is not None and stage.name.startswith("pad") and len(stage.reads) == 1:
+                stage = by_name.get(stage.reads[0])
+            if stage is not None and stage.pure and not stage.output and feeds_from_conv(stage):
+                kept.add(stage.name)
+    return kept
 
 
 def _epilogue_of(anchor: StageInfo, kept: list[StageInfo], inlined: set[str], all_stages):
@@ -1060,15 +1091,21 @@ def nchwc_chain_schedule(
     """A depthwise conv with the 1x1 conv that expands its input computed inside it: per
     channel block and tile of `rows` output rows (the parallel loop), the expand conv writes
     the rows of its output that the tile reads to a stack buffer (register tiles of
-    `expand_tile` pixels, its epilogue inlined into the depthwise conv's reads), then the
+    `expand_tile` pixels, its epilogue applied in their stores), then the
     depthwise conv reads them from cache (tiles of `tile` pixels, the taps along the row
     unrolled). Neighbouring tiles recompute the rows they share: (taps -
     stride) rows per tile."""
     producer = chain_producer(dw)
     n_loop, mo_loop, y_loop, x_loop, mi_loop = (dw.loop(k) for k in range(5))
     rows = Split(y_loop, int(config["rows"]))
+    records: list[Record] = [rows]
+    # The expand conv's epilogue (bias, activation) in the tile's buffer, then the conv itself
+    # before it, in its own buffer until the epilogue folds into its store (below).
+    epilogue_of_producer = dw.note("producer_epilogue")
+    if epilogue_of_producer:
+        records.append(ComputeAt(epilogue_of_producer, rows.outer, CHAIN_MAX_TILE_BYTES))
     at = ComputeAt(producer.name, rows.outer, CHAIN_MAX_TILE_BYTES)
-    records: list[Record] = [rows, at]
+    records.append(at)
     # The expand conv over its tile: pixels x one channel block in registers over its channels.
     px_loop, pmi_loop = at.moved(producer.loop(3)), at.moved(producer.loop(4))
     expand_reduce = [name for name, _ in producer.reduce_axes]
@@ -1082,6 +1119,8 @@ def nchwc_chain_schedule(
         Unroll(pixels.inner),
         *_vector_tile_io(expand_cache, len(producer.shape)),
     ]
+    if epilogue_of_producer:
+        records.append(ReverseComputeInline(epilogue_of_producer))
     # The depthwise conv over the tile's rows, as an unchained one.
     taps = [name for name, _ in dw.reduce_axes]
     tile = Split(x_loop, int(config["tile"]))
@@ -1273,10 +1312,18 @@ def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
 def _chained_depthwise(expand: StageInfo, kept: list[StageInfo], inlined: set[str], all_stages):
     """The group's depthwise conv, carrying the expand conv it reads as its `producer` note,
     when the fusion pass chained the two (`fuse_operators`); else None."""
+    by_name = {s.name: s for s in kept}
     for s in kept:
-        chained = s.note("layout") == "nchwc_depthwise" and s is not expand
-        if chained and _kept_sources(s, inlined, all_stages) == {expand.name}:
-            notes = {**dict(s.notes), "producer": expand}
+        if s.note("layout") != "nchwc_depthwise" or s is expand:
+            continue
+        sources = _kept_sources(s, inlined, all_stages)
+        notes = {**dict(s.notes), "producer": expand}
+        (source,) = sources if len(sources) == 1 else (None,)
+        if source == expand.name:
+            return dataclasses.replace(s, notes=tuple(sorted(notes.items())))
+        epilogue = by_name.get(source)
+        if epilogue is not None and _kept_sources(epilogue, inlined, all_stages) == {expand.name}:
+            notes["producer_epilogue"] = epilogue.name  # its last stage, kept (see above)
             return dataclasses.replace(s, notes=tuple(sorted(notes.items())))
     return None
 

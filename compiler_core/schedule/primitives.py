@@ -576,6 +576,9 @@ def _stage_nest(func: PrimFunc, buffer: Buffer, record) -> For:
         while isinstance(body, Allocate):
             body = body.body
         stmt = _writer(body, buffer, record)
+        if isinstance(stmt, Allocate):  # a stage computed inside a loop, in its buffers
+            body = stmt
+            continue
         writes = {s.buffer for s in walk_stmts(stmt) if isinstance(s, Store)}
         own = {buffer} | {s.buffer for s in walk_stmts(stmt) if isinstance(s, Allocate)}
         if isinstance(stmt, For) and writes <= own:
@@ -635,7 +638,9 @@ def reverse_compute_inline(func: PrimFunc, r: ReverseComputeInline) -> PrimFunc:
     if len(index_vars) != len(store.indices) or len(set(index_vars)) != len(index_vars):
         raise ScheduleError(f"{r}: {r.stage!r} must store at its plain loop indices")
     reads = {x.buffer for x in walk_exprs(store.value) if isinstance(x, Load)}
-    producers = [b for b in reads if b.scope == "workspace"]
+    # The intermediate it reads: a workspace buffer, or the local one of a stage computed
+    # inside a loop (an expand conv's tile of rows).
+    producers = [b for b in reads if b.scope in ("workspace", "local")]
     if len(producers) != 1:
         raise ScheduleError(f"{r}: {r.stage!r} must read exactly one intermediate stage")
     (producer,) = producers
@@ -715,22 +720,22 @@ def _clamped(e: Expr, size: int) -> Expr | None:
 
 
 def _span(index: Expr, size: int, inner_ranges: dict[str, int]):
-    """(start, extent, overhangs) of an index over the inner loops, or None when it is not
-    affine. A clamped index (a padded read) lies where its unclamped one does, within the
-    dimension: a constant span is cut to the dimension; a moving one is kept whole
-    (`overhangs`: its ends past the dimension are computed under guards)."""
+    """(start, extent) of an index over the inner loops, or None when it is not affine. A
+    clamped index (a padded read) lies where its unclamped one does, within the dimension:
+    a constant span is cut to the dimension, a moving one is kept whole (see `_region`)."""
     unclamped = _clamped(index, size)
     span = bounds(unclamped if unclamped is not None else index, inner_ranges)
-    if span is None or unclamped is None:
-        return span if span is None else (*span, False)
-    if not isinstance(span[0], Const):
-        return (*span, True)
+    if span is None or unclamped is None or not isinstance(span[0], Const):
+        return span
     low = max(int(span[0].value), 0)
-    return Const(low, INDEX), min(int(span[0].value) + span[1], size) - low, False
+    return Const(low, INDEX), min(int(span[0].value) + span[1], size) - low
 
 
 def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
-    """(start expressions, extents) of `buffer` touched inside `loop`, per dimension."""
+    """(start expressions, extents) of `buffer` touched inside `loop`, per dimension. A
+    region that moves with the outer loops keeps its whole extent even where it is wider
+    than the dimension: a tile of rows and its halo, whose ends past the edges are computed
+    under guards (`compute_at`) and never read."""
     accesses: list[tuple[Expr, ...]] = []
     for stmt in walk_stmts(loop.body):
         if isinstance(stmt, Store) and stmt.buffer == buffer:
@@ -748,7 +753,7 @@ def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
         else:
             starts.append(spans[0][0])
             widest = max(s[1] for s in spans)
-            extents.append(widest if any(s[2] for s in spans) else min(widest, size))
+            extents.append(min(widest, size) if isinstance(spans[0][0], Const) else widest)
     return starts, extents
 
 
@@ -816,7 +821,7 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
         for guard in guards:
             body = IfThenElse(guard, body)
         body = For(local, extent, body)
-    inside = seq(body, target.body)
+    inside = _before_body(body, target.body)
     local = Buffer(buffer.name, tuple(extents), buffer.dtype, "local")
     if buffer.scope == "workspace" and local.nbytes <= r.local_bytes:
         inside = _shrunk(func.body, nest, target, buffer, local, starts, inside)
@@ -826,6 +831,15 @@ def compute_at(func: PrimFunc, r: ComputeAt) -> PrimFunc:
     if isinstance(inside, Allocate) and inside.buffer == local:
         new_body = _remove_allocation(new_body, buffer)
     return _with_body(func, new_body)
+
+
+def _before_body(nest: Stmt, body: Stmt) -> Stmt:
+    """`nest`, then `body`, inside the allocations `body` opens with (the local buffers of
+    stages computed in the same loop before): a stage computed later may come to write
+    them (`ReverseComputeInline` of the stage it feeds)."""
+    if isinstance(body, Allocate):
+        return dataclasses.replace(body, body=_before_body(nest, body.body))
+    return seq(nest, body)
 
 
 def _accesses(stmt: Stmt, buffer: Buffer) -> int:
@@ -845,8 +859,10 @@ def _shrunk(root: Stmt, nest: For, target: For, buffer: Buffer, local: Buffer, s
     if _accesses(root, buffer) != _accesses(nest, buffer) + _accesses(target, buffer):
         return inside
 
-    def offset(indices):
-        return tuple(Binary("sub", i, start) for i, start in zip(indices, starts, strict=True))
+    def offset(indices):  # simplified: a stage's index into its own region is its loop's
+        return tuple(
+            simplify_expr(Binary("sub", i, start)) for i, start in zip(indices, starts, strict=True)
+        )
 
     def load(e: Expr):
         if isinstance(e, Load) and e.buffer == buffer:
