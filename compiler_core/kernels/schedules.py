@@ -1091,10 +1091,9 @@ def nchwc_chain_schedule(
     """A depthwise conv with the 1x1 conv that expands its input computed inside it: per
     channel block and tile of `rows` output rows (the parallel loop), the expand conv writes
     the rows of its output that the tile reads to a stack buffer (register tiles of
-    `expand_tile` pixels, its epilogue applied in their stores), then the
-    depthwise conv reads them from cache (tiles of `tile` pixels, the taps along the row
-    unrolled). Neighbouring tiles recompute the rows they share: (taps -
-    stride) rows per tile."""
+    `expand_tile` pixels, its epilogue applied in their stores), then the depthwise conv
+    reads them from cache (tiles of `tile` pixels, the taps along the row unrolled).
+    Neighbouring tiles recompute the rows they share: taps - stride rows per tile."""
     producer = chain_producer(dw)
     n_loop, mo_loop, y_loop, x_loop, mi_loop = (dw.loop(k) for k in range(5))
     rows = Split(y_loop, int(config["rows"]))
@@ -1317,8 +1316,8 @@ def _chained_depthwise(expand: StageInfo, kept: list[StageInfo], inlined: set[st
         if s.note("layout") != "nchwc_depthwise" or s is expand:
             continue
         sources = _kept_sources(s, inlined, all_stages)
+        source = next(iter(sources)) if len(sources) == 1 else None
         notes = {**dict(s.notes), "producer": expand}
-        (source,) = sources if len(sources) == 1 else (None,)
         if source == expand.name:
             return dataclasses.replace(s, notes=tuple(sorted(notes.items())))
         epilogue = by_name.get(source)
