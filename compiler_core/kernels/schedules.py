@@ -1054,12 +1054,18 @@ def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
     # per core (channel blocks x tiles of rows), else the tallest that fits.
     fitting = [r for r in rows if chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES] or [rows[0]]
     busy = [r for r in fitting if dw.shape[1] * (height // r) >= 2 * target.cores]
+    # Default register tiles, read off MobileNetV2's measured spaces (Zen 4, every config of
+    # its 8 chained workloads): the expand conv's of at most FMA_CHAINS pixels (one channel
+    # block: 7 or 8 accumulators beat 14 by 0.5-4%), the depthwise conv's as long as an
+    # unchained conv's (14 beat 7 or 8 on every row that offers it, by 1-5%: its input rows
+    # are in cache, and a longer tile loads each weight vector for more pixels).
     block = chain_producer(dw).shape[-1]
+    expand_preferred = min(FMA_CHAINS, _nchwc_preferred(False, block, target))
     expand_tiles, expand_tile = _chain_tiles(
-        dw.note("in_width"), _nchwc_preferred(False, block, target), _nchwc_most(block, target)
+        dw.note("in_width"), expand_preferred, _nchwc_most(block, target)
     )
     most = min(_nchwc_most(dw.shape[-1], target), CHAIN_DEPTHWISE_MOST)
-    tiles, tile = _chain_tiles(width, _nchwc_preferred(True, dw.shape[-1], target), most)
+    tiles, tile = _chain_tiles(width, _nchwc_preferred(False, dw.shape[-1], target), most)
     return (
         Knob("rows", rows, max(busy or fitting)),
         Knob("expand_tile", expand_tiles, expand_tile),
