@@ -1105,8 +1105,11 @@ def nchwc_chain_schedule(
     rows = Split(y_loop, int(config["rows"]))
     records: list[Record] = [rows]
     # The expand conv's epilogue (bias, activation) in the tile's buffer, then the conv itself
-    # before it, in its own buffer until the epilogue folds into its store (below).
+    # before it, in its own buffer until the epilogue folds into its store (below). A tile
+    # too big for the stack stays in the group's workspace buffers, indexed by the model's
+    # rows: there the epilogue is a pass of its own over the tile.
     epilogue_of_producer = dw.note("producer_epilogue")
+    on_stack = chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
     if epilogue_of_producer:
         records.append(ComputeAt(epilogue_of_producer, rows.outer, CHAIN_MAX_TILE_BYTES))
     at = ComputeAt(producer.name, rows.outer, CHAIN_MAX_TILE_BYTES)
@@ -1124,7 +1127,7 @@ def nchwc_chain_schedule(
         Unroll(pixels.inner),
         *_vector_tile_io(expand_cache, len(producer.shape)),
     ]
-    if epilogue_of_producer:
+    if epilogue_of_producer and on_stack:
         records.append(ReverseComputeInline(epilogue_of_producer))
     # The depthwise conv over the tile's rows, as an unchained one.
     taps = [name for name, _ in dw.reduce_axes]

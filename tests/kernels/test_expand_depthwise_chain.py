@@ -26,7 +26,8 @@ def rand(*shape, scale=1.0):
 
 
 def expand_depthwise(c=16, m=96, size=(20, 20), stride=1, kernel=3, expand_pads=0, expand_stride=1):
-    """x -> 1x1 conv (c -> m) -> ReLU6 -> depthwise kxk conv (pad k//2) -> ReLU6 -> y."""
+    """x -> 1x1 conv (c -> m, `expand_pads` / `expand_stride`: one the chain must refuse)
+    -> ReLU6 -> depthwise kxk conv (pad k//2, `stride`) -> ReLU6 -> y."""
     pad = kernel // 2
     nodes = [
         helper.make_node(
@@ -77,6 +78,9 @@ CASES = {
     "wide_rows": lambda: expand_depthwise(c=24, m=144, size=(9, 56)),
     # Rows of a prime width: both convs compute rows padded to a good register tile.
     "prime_width": lambda: expand_depthwise(c=16, m=32, size=(11, 23)),
+    # Three rows of 1500 pixels exceed the largest stack tile: tiles of one row, computed in
+    # the group's workspace buffer.
+    "row_wider_than_a_tile": lambda: expand_depthwise(c=8, m=16, size=(4, 1500)),
 }
 
 
