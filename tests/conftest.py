@@ -106,3 +106,29 @@ def pairwise_cover(space: list[dict]) -> list[dict]:
         chosen.append(best)
         left -= pairs(best)
     return chosen
+
+
+def one_knob_off_default(tunable) -> list[dict]:
+    """The default config, then each knob moved off its default to every value that fits,
+    one knob at a time."""
+    default = tunable.default_config()
+    return [default] + [
+        {**default, knob.name: value}
+        for knob in tunable.knobs
+        for value in knob.choices
+        if value != knob.default and tunable.fits({**default, knob.name: value})
+    ]
+
+
+def measurement_errors(task, configs: list[dict]) -> list[tuple]:
+    """(config, error code, detail) of each config the measurer (one repeat, checked against
+    the reference answer) did not find ok."""
+    from compiler_core.autotune.measure import MeasureOptions, Measurer
+    from compiler_core.target import parse_target
+
+    options = MeasureOptions(repeats=1, min_repeat_seconds=0.0)
+    with Measurer(parse_target("llvm"), options) as measurer:
+        results = measurer.measure(task, configs)
+    return [
+        (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
+    ]

@@ -1026,7 +1026,8 @@ def chain_producer(anchor: StageInfo) -> StageInfo:
 def _chain_rows(dw: StageInfo) -> tuple[int, int]:
     """(stride, taps) of a chained depthwise conv along its rows: a tile of r output rows reads
     (r - 1) * stride + taps rows of the expand conv's output."""
-    return int(dw.note("strides")[0]), dict(dw.reduce_axes)[f"{dw.name}_rk0"]
+    taps = next(extent for name, extent in dw.reduce_axes if _is_tap(dw, name))
+    return int(dw.note("strides")[0]), taps
 
 
 def chain_tile_bytes(dw: StageInfo, rows: int) -> int:

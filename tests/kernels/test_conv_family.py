@@ -11,7 +11,6 @@ import pytest
 from onnx import helper
 
 import compiler_core
-from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.tasks import extract_tasks
 from compiler_core.compiler import compile_graph
 from compiler_core.frontend.onnx import import_model
@@ -20,8 +19,14 @@ from compiler_core.graph.ops.layout import to_blocked, to_plain
 from compiler_core.passes import fuse_operators
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
-from compiler_core.target import host_target, parse_target
-from tests.conftest import FLOAT, assert_close_to_scale, make_model
+from compiler_core.target import host_target
+from tests.conftest import (
+    FLOAT,
+    assert_close_to_scale,
+    make_model,
+    measurement_errors,
+    one_knob_off_default,
+)
 from tests.passes.test_transform_layout import squeeze_excitation_model
 
 RNG = np.random.default_rng(11)
@@ -206,19 +211,9 @@ def test_every_knob_value_of_an_im2col_conv_measures_correct():
     reference answer."""
     model = IM2COL_CASES["three_channels_batch_2"]()
     (task,) = extract_tasks(optimize(import_model(model), target=host_target()))
-    default = task.tunable.default_config()
-    configs = [default] + [
-        {**default, knob.name: value}
-        for knob in task.tunable.knobs
-        for value in knob.choices
-        if value != knob.default and task.tunable.fits({**default, knob.name: value})
-    ]
+    configs = one_knob_off_default(task.tunable)
     assert any(c["pack"] == 0 for c in configs)
-    with Measurer(parse_target("llvm"), MeasureOptions(repeats=1, min_repeat_seconds=0)) as m:
-        results = m.measure(task, configs)
-    errors = [
-        (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
-    ]
+    errors = measurement_errors(task, configs)
     assert not errors, errors[:3]
 
 

@@ -10,13 +10,18 @@ import pytest
 from onnx import helper
 
 import compiler_core
-from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.tasks import extract_tasks
 from compiler_core.frontend.onnx import import_model
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
-from compiler_core.target import host_target, parse_target
-from tests.conftest import FLOAT, assert_close_to_scale, make_model
+from compiler_core.target import host_target
+from tests.conftest import (
+    FLOAT,
+    assert_close_to_scale,
+    make_model,
+    measurement_errors,
+    one_knob_off_default,
+)
 
 RNG = np.random.default_rng(5)
 
@@ -115,19 +120,9 @@ def test_every_knob_value_of_a_chained_pair_measures_correct():
     register tile of both convs), checked by the measurer against the reference answer."""
     graph, _ = chained_groups(CASES["stride2_odd"]())
     (task,) = extract_tasks(graph)
-    default = task.tunable.default_config()
-    configs = [default] + [
-        {**default, knob.name: value}
-        for knob in task.tunable.knobs
-        for value in knob.choices
-        if value != knob.default and task.tunable.fits({**default, knob.name: value})
-    ]
+    configs = one_knob_off_default(task.tunable)
     assert len({c["rows"] for c in configs}) > 1
-    with Measurer(parse_target("llvm"), MeasureOptions(repeats=1, min_repeat_seconds=0)) as m:
-        results = m.measure(task, configs)
-    errors = [
-        (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
-    ]
+    errors = measurement_errors(task, configs)
     assert not errors, errors[:3]
 
 

@@ -12,7 +12,6 @@ import pytest
 from onnx import TensorProto, helper
 
 import compiler_core
-from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.tasks import extract_tasks
 from compiler_core.frontend.onnx import import_model
 from compiler_core.kernels.schedules import gemm_row_tile
@@ -20,7 +19,13 @@ from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.schedule.primitives import SplitOverlap
 from compiler_core.target import parse_target
-from tests.conftest import FLOAT, assert_close_to_scale, make_model
+from tests.conftest import (
+    FLOAT,
+    assert_close_to_scale,
+    make_model,
+    measurement_errors,
+    one_knob_off_default,
+)
 
 INT32 = TensorProto.INT32
 
@@ -140,19 +145,7 @@ def test_every_knob_value_of_the_dense_template_on_a_ragged_batch(n):
     (task,) = extract_tasks(optimize(import_model(model)))
     knobs = task.tunable.knobs
     assert {k.name for k in knobs} >= {"mr", "nr", "order", "parallel", "pack"}
-    default = task.tunable.default_config()
-    configs = [default] + [
-        {**default, knob.name: value}
-        for knob in knobs
-        for value in knob.choices
-        if value != knob.default and task.tunable.fits({**default, knob.name: value})
-    ]
-    options = MeasureOptions(repeats=1, min_repeat_seconds=0.0)
-    with Measurer(parse_target("llvm"), options) as measurer:
-        results = measurer.measure(task, configs)
-    errors = [
-        (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
-    ]
+    errors = measurement_errors(task, one_knob_off_default(task.tunable))
     assert not errors, errors[:3]
 
 
