@@ -87,6 +87,13 @@ class Target:
         return self.vector_lanes if full_width else 8
 
     @property
+    def fma_broadcasts(self) -> bool:
+        """Whether an FMA takes a broadcast input straight from memory (AVX-512's embedded
+        broadcast, `{1to16}`); with AVX2 every broadcast input value is an instruction of its
+        own, which a register tile pays once per pixel and reduction step."""
+        return self.is_gpu or "+avx512f" in self.features.split(",")
+
+    @property
     def _intel_server(self) -> bool:
         return SERVER_ONLY_FEATURE in self.features.split(",")
 

@@ -279,7 +279,8 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         tile = winograd_size(chosen)
         return _winograd(ctx, node, x, weights, tile, pads, data_block, block, notes)
     width = out.shape[-2]
-    row = nchwc_row_width(width, block, depthwise, m // block, ctx.target, group_blocks)
+    taps = math.prod(kernel) > 1
+    row = nchwc_row_width(width, block, depthwise, m // block, ctx.target, group_blocks, taps)
     # Zero input past the end for the extra pixels of a padded row.
     pads = (*pads[: 2 * nsp - 1], pads[2 * nsp - 1] + (row - width) * strides[-1])
     padded = _padded(ctx, node, x, pads, 0.0, nsp=nsp)
@@ -381,7 +382,7 @@ def _winograd(
 
     def row_width(tiles: int) -> int:
         gemm_blocks = positions * out_blocks
-        return nchwc_row_width(tiles, block, False, gemm_blocks, ctx.target, out_blocks)
+        return nchwc_row_width(tiles, block, False, gemm_blocks, ctx.target, out_blocks, False)
 
     grid = tile_grid(out.shape[2], out.shape[3], tile, row_width)
     padding = input_padding(pads, x.shape[2], x.shape[3], grid)

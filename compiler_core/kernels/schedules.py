@@ -321,9 +321,10 @@ def nchwc_default_tile(
     out_blocks: int,
     target: Target,
     group_blocks: int | None = None,
+    taps: bool = True,
 ) -> tuple[int, int]:
     """(pixels, channel blocks) of the default register tile: see `_default_tile`."""
-    tile, blocks, _ = _default_tile(width, block, depthwise, out_blocks, target, group_blocks)
+    tile, blocks, _ = _default_tile(width, block, depthwise, out_blocks, target, group_blocks, taps)
     return tile, blocks
 
 
@@ -334,6 +335,7 @@ def _default_tile(
     out_blocks: int,
     target: Target,
     group_blocks: int | None,
+    taps: bool = True,
 ) -> tuple[int, int, bool]:
     """The default register tile of a row of `width` pixels: (pixels, channel blocks, whether
     it is a latency tile), or 0 pixels when no good tile divides the row (see
@@ -346,7 +348,13 @@ def _default_tile(
     a row that fits one tile is one tile. Between the two, the tile with more accumulators
     wins (two blocks on a tie): a 14-pixel row has 2 pixels x 2 blocks or 7 x 1, and the four
     accumulators of the first left ResNet-18's 14x14 3x3 convs at 82 GFLOP/s against 146 with
-    seven (AVX2). A tile still short of FMA_CHAINS accumulators takes `_latency_tile`."""
+    seven (AVX2). A tile still short of FMA_CHAINS accumulators takes `_latency_tile`. A conv
+    without taps (`taps`: more than one kernel tap) may take `_triple_tile` first."""
+    triple = None
+    if not (depthwise or taps):
+        triple = _triple_tile(width, block, out_blocks, target, group_blocks)
+    if triple:
+        return (*triple, False)
     preferred = _nchwc_preferred(depthwise, block, target)
     options = [2, 1] if not depthwise and out_blocks % 2 == 0 and preferred >= 2 else [1]
     candidates = []
@@ -366,6 +374,28 @@ def _default_tile(
     if width <= preferred // options[0]:
         return width, options[0], False
     return 0, options[0], False
+
+
+def _triple_tile(
+    width: int, block: int, out_blocks: int, target: Target, group_blocks: int | None
+) -> tuple[int, int] | None:
+    """Three channel blocks per tile of a conv without taps (a 1x1 conv, a Winograd GEMM),
+    for output blocks that do not pair up but come in threes (24 channels: MobileNet's 56x56
+    stage), on a target whose FMAs cannot take a broadcast operand (AVX2): each broadcast
+    input then feeds three FMAs instead of one, and the tile has as many pixels as the
+    accumulators allow. Measured on Zen 1 (AVX2, one 256-bit FMA a cycle), MobileNetV2's
+    56x56 project convs (96 and 144 -> 24 channels) against the one-block tile of 8 pixels:
+    245 -> 195 us and 382 -> 290 us (59 -> 74 GFLOP/s, the peak 78); 2 pixels x 3 blocks
+    201 and 305 us. With taps, the three weight vectors of each tap join the twelve
+    accumulators in the sixteen registers: a 3x3 conv to 24 channels ran 494 us in 4 x 3
+    tiles, 436 in 8 x 1."""
+    if target.fma_broadcasts or out_blocks % 2 == 0 or out_blocks % 3:
+        return None
+    if (group_blocks or out_blocks) % 3:
+        return None
+    bound = _nchwc_most(block, target) // 3
+    pixels = next((t for t in range(bound, 1, -1) if width % t == 0), 0)
+    return (pixels, 3) if pixels else None
 
 
 # Accumulators a register tile needs to keep the FMA pipes busy: FMA latency (4 cycles) x
@@ -402,12 +432,15 @@ def nchwc_row_width(
     out_blocks: int,
     target: Target,
     group_blocks: int | None = None,
+    taps: bool = True,
 ) -> int:
     """Output pixels per row the blocked conv computes: `width` when a good default tile
     divides it, else `width` rounded up to the tile that wastes least (a tile costs its pixels
     plus about two pixels' worth of overhead: the zero fill and the store), so that a prime
     row length does not fall to a tile of 1."""
-    tile, blocks = nchwc_default_tile(width, block, depthwise, out_blocks, target, group_blocks)
+    tile, blocks = nchwc_default_tile(
+        width, block, depthwise, out_blocks, target, group_blocks, taps
+    )
     if tile:
         return width
     bound = _nchwc_preferred(depthwise, block, target) // blocks
@@ -422,7 +455,7 @@ def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
     most = _nchwc_most(block, target)
     group_blocks = conv.note("group_blocks")
     default_tile, default_blocks, latency = _default_tile(
-        width, block, depthwise, blocks, target, group_blocks
+        width, block, depthwise, blocks, target, group_blocks, _has_taps(conv)
     )
     if not default_tile:  # a row the builder did not pad: the largest tile that divides it
         bound = _nchwc_preferred(depthwise, block, target) // default_blocks
@@ -441,7 +474,7 @@ def _nchwc_knobs(conv: StageInfo, target: Target) -> tuple[Knob, ...]:
         default_chunk = default_blocks
     pairs = (1,)
     if not depthwise:  # channel blocks per tile
-        pairs += tuple(b for b in (2, 4) if blocks % b == 0 and most >= b)
+        pairs += tuple(b for b in (2, 3, 4) if blocks % b == 0 and most >= b)
     knobs = [
         Knob("tile", tiles, default_tile),
         Knob("mo_chunk", chunks, default_chunk),

@@ -327,3 +327,22 @@ def test_pools_of_either_block_get_the_blocked_pool_tile():
         (index, group), *_ = pools
         kernel = build_group(graph, group, index, host_target())
         assert any(type(r).__name__ == "CacheWrite" for r in kernel.schedule), channels
+
+
+def test_a_conv_without_taps_shares_each_broadcast_among_three_blocks_on_avx2():
+    """Three 8-channel output blocks (24 channels) do not pair up: on AVX2, whose FMAs take no
+    broadcast operand, a 1x1 conv's tile spans all three (4 pixels, 12 accumulators); a conv
+    with taps keeps one block (its three weight vectors a tap would not fit beside 12
+    accumulators), and so does AVX-512, whose FMAs broadcast from memory."""
+    import dataclasses
+
+    from compiler_core.kernels.schedules import nchwc_default_tile
+
+    avx2 = dataclasses.replace(host_target(), features="+avx2,+fma")
+    avx512 = dataclasses.replace(host_target(), features="+avx2,+fma,+avx512f")
+    assert not avx2.fma_broadcasts and avx512.fma_broadcasts
+    assert nchwc_default_tile(56, 8, False, 3, avx2, taps=False) == (4, 3)
+    assert nchwc_default_tile(14, 8, False, 9, avx2, taps=False) == (2, 3)
+    assert nchwc_default_tile(56, 8, False, 3, avx2, taps=True) == (8, 1)
+    assert nchwc_default_tile(56, 8, False, 6, avx2, taps=False) == (4, 2)  # they pair up
+    assert nchwc_default_tile(56, 8, False, 3, avx512, taps=False)[1] == 1
