@@ -1084,27 +1084,94 @@ def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
         and chain_tile_bytes(dw, r) <= CHAIN_MAX_TILE_BYTES
         and (r == height or 2 * ((r - 1) * stride + taps) <= 3 * r * stride)
     ) or (1,)
+    block = chain_producer(dw).shape[-1]
+    expand_most = _nchwc_most(block, target)
+    blocks_choices = _chain_block_choices(dw, expand_most)
+    blocks = _default_chain_blocks(dw, blocks_choices, rows[0], target)
     # The default: the tallest tile that fits CHAIN_TILE_BYTES and leaves two tiles of work
-    # per core (channel blocks x tiles of rows), else the tallest that fits.
-    fitting = [r for r in rows if chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES] or [rows[0]]
-    busy = [r for r in fitting if dw.shape[1] * (height // r) >= 2 * target.cores]
+    # per core (groups of channel blocks x tiles of rows), else the tallest that fits.
+    fitting = [r for r in rows if blocks * chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES]
+    fitting = fitting or [rows[0]]
+    busy = [r for r in fitting if dw.shape[1] // blocks * (height // r) >= 2 * target.cores]
     # Default register tiles, read off MobileNetV2's measured spaces (Zen 4, every config of
     # its 8 chained workloads): the expand conv's of at most FMA_CHAINS pixels (one channel
     # block: 7 or 8 accumulators beat 14 by 0.5-4%), the depthwise conv's as long as an
     # unchained conv's (14 beat 7 or 8 on every row that offers it, by 1-5%: its input rows
-    # are in cache, and a longer tile loads each weight vector for more pixels).
-    block = chain_producer(dw).shape[-1]
-    expand_preferred = min(FMA_CHAINS, _nchwc_preferred(False, block, target))
-    expand_tiles, expand_tile = _chain_tiles(
-        dw.note("in_width"), expand_preferred, _nchwc_most(block, target)
-    )
+    # are in cache, and a longer tile loads each weight vector for more pixels). A tile of
+    # several blocks holds as many pixels as the accumulators allow.
+    in_width = dw.note("in_width")
+    expand_tiles = tuple(t for t in range(1, expand_most + 1) if in_width % t == 0)
+    if blocks == 1:
+        preferred = min(FMA_CHAINS, _nchwc_preferred(False, block, target))
+        _, expand_tile = _chain_tiles(in_width, preferred, expand_most)
+    else:
+        expand_tile = _expand_tile_of(dw, blocks, target)
     most = min(_nchwc_most(dw.shape[-1], target), CHAIN_DEPTHWISE_MOST)
     tiles, tile = _chain_tiles(width, _nchwc_preferred(False, dw.shape[-1], target), most)
     return (
         Knob("rows", rows, max(busy or fitting)),
         Knob("expand_tile", expand_tiles, expand_tile),
         Knob("tile", tiles, tile),
+        Knob("blocks", blocks_choices, blocks),
     )
+
+
+def _chain_block_choices(dw: StageInfo, expand_most: int) -> tuple[int, ...]:
+    """Channel blocks a chain tile may span: divisors of the depthwise conv's blocks up to
+    CHAIN_MOST_BLOCKS, each with an expand tile of at least two pixels in the accumulators."""
+    blocks = dw.shape[1]
+    return tuple(
+        b for b in range(1, CHAIN_MOST_BLOCKS + 1) if blocks % b == 0 and 2 * b <= expand_most
+    ) or (1,)
+
+
+def _expand_tile_of(dw: StageInfo, blocks: int, target: Target) -> int:
+    """The longest expand tile (a divisor of the row) whose `blocks` x pixels accumulators
+    fit the registers; 0 when none holds `_least_expand_accumulators`."""
+    most = _nchwc_most(chain_producer(dw).shape[-1], target)
+    width = dw.note("in_width")
+    tile = max(t for t in range(1, most // blocks + 1) if width % t == 0)
+    return tile if tile * blocks >= _least_expand_accumulators(dw, most) else 0
+
+
+def _least_expand_accumulators(dw: StageInfo, most: int) -> int:
+    """CHAIN_LEAST_TILE accumulators, or the longest one-block tile a row short of divisors
+    has (a prime row of 3 pixels: 3)."""
+    width = dw.note("in_width")
+    longest = max(t for t in range(1, most + 1) if width % t == 0)
+    return min(CHAIN_LEAST_TILE, longest)
+
+
+def _default_chain_blocks(
+    dw: StageInfo, choices: tuple[int, ...], rows: int, target: Target
+) -> int:
+    """One block where the FMAs take their broadcast input from memory (AVX-512); else
+    (AVX2) three blocks when they divide the channels, else two, so that each broadcast
+    input of the expand conv feeds several FMAs (as `_triple_tile`), when such a tile fits
+    the accumulators and its rows fit CHAIN_TILE_BYTES. Measured on Zen 1 over MobileNetV2's
+    eleven chains (one block -> three, us): 14x14 and 7x7 rows 413 -> 348, 199 -> 171,
+    365 -> 303, 182 -> 153; 28x28 229 -> 200, 428 -> 372; 56x56 869 -> 812, 571 -> 527 (two
+    blocks 517); four blocks within 3% of three; 7-pixel rows keep one block (a tile of one
+    pixel holds too few accumulators); the model untuned 0.960 of one block."""
+    if target.fma_broadcasts:
+        return 1
+    for blocks in (3, 2):
+        fits = blocks * chain_tile_bytes(dw, rows) <= CHAIN_TILE_BYTES
+        if blocks in choices and fits and _expand_tile_of(dw, blocks, target):
+            return blocks
+    return 1
+
+
+def _chain_fits(dw: StageInfo, config: Mapping[str, object], target: Target) -> bool:
+    """The expand conv's tile of pixels x blocks fits the accumulators and holds at least
+    `_least_expand_accumulators`; a tile of several blocks lies on the stack."""
+    blocks, expand_tile = int(config["blocks"]), int(config["expand_tile"])
+    accumulators = blocks * expand_tile
+    most = _nchwc_most(chain_producer(dw).shape[-1], target)
+    if not _least_expand_accumulators(dw, most) <= accumulators <= most:
+        return False
+    on_stack = blocks * chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
+    return blocks == 1 or on_stack
 
 
 # A chained depthwise conv's register tiles: at least CHAIN_LEAST_TILE pixels (fewer leave
@@ -1112,6 +1179,8 @@ def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
 # stay live beside the accumulators).
 CHAIN_LEAST_TILE = 4
 CHAIN_DEPTHWISE_MOST = 16
+# Channel blocks one chain tile may span (the expand conv's register tile spans them all).
+CHAIN_MOST_BLOCKS = 4
 
 
 def _chain_tiles(width: int, preferred: int, most: int) -> tuple[tuple[int, ...], int]:
@@ -1129,36 +1198,53 @@ def nchwc_chain_schedule(
     dw: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
 ) -> list[Record]:
     """A depthwise conv with the 1x1 conv that expands its input computed inside it: per
-    channel block and tile of `rows` output rows (the parallel loop), the expand conv writes
-    the rows of its output that the tile reads to a stack buffer (register tiles of
-    `expand_tile` pixels, its epilogue applied in their stores), then the depthwise conv
-    reads them from cache (tiles of `tile` pixels, the taps along the row unrolled).
-    Neighbouring tiles recompute the rows they share: taps - stride rows per tile."""
+    group of `blocks` channel blocks and tile of `rows` output rows (the parallel loop), the
+    expand conv writes the rows of its output that the tile reads to a stack buffer (register
+    tiles of `expand_tile` pixels x the group's blocks, its epilogue applied in their
+    stores), then the depthwise conv reads them from cache block by block (tiles of `tile`
+    pixels, the taps along the row unrolled). Neighbouring tiles recompute the rows they
+    share: taps - stride rows per tile."""
     producer = chain_producer(dw)
     n_loop, mo_loop, y_loop, x_loop, mi_loop = (dw.loop(k) for k in range(5))
     rows = Split(y_loop, int(config["rows"]))
     records: list[Record] = [rows]
+    blocks = int(config["blocks"])
+    group_loop = mo_loop
+    if blocks > 1:
+        # A tile of `blocks` channel blocks: the expand conv computes them all for the tile's
+        # rows, the depthwise conv then runs block by block.
+        group = Split(mo_loop, blocks)
+        records += [group, Reorder((group.outer, rows.outer, group.inner, rows.inner))]
+        group_loop = group.outer
     # The expand conv's epilogue (bias, activation) in the tile's buffer, then the conv itself
     # before it, in its own buffer until the epilogue folds into its store (below). A tile
     # too big for the stack stays in the group's workspace buffers, indexed by the model's
     # rows: there the epilogue is a pass of its own over the tile.
     epilogue_of_producer = dw.note("producer_epilogue")
-    on_stack = chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
+    on_stack = blocks * chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
     if epilogue_of_producer:
         records.append(ComputeAt(epilogue_of_producer, rows.outer, CHAIN_MAX_TILE_BYTES))
     at = ComputeAt(producer.name, rows.outer, CHAIN_MAX_TILE_BYTES)
     records.append(at)
-    # The expand conv over its tile: pixels x one channel block in registers over its channels.
+    # The expand conv over its tile: pixels x its channel blocks in registers over its
+    # channels (the blocks innermost: each broadcast input feeds one FMA per block).
     px_loop, pmi_loop = at.moved(producer.loop(3)), at.moved(producer.loop(4))
     expand_reduce = [name for name, _ in producer.reduce_axes]
     pixels = Split(px_loop, int(config["expand_tile"]))
     expand_cache = CacheWrite(producer.name, expand_reduce[0])
+    if blocks > 1:
+        pmo_loop, py_loop = at.moved(producer.loop(1)), at.moved(producer.loop(2))
+        order = (py_loop, pixels.outer, *expand_reduce, pixels.inner, pmo_loop, pmi_loop)
+        unrolled = [Unroll(pixels.inner), Unroll(pmo_loop)]
+    else:
+        order = (pixels.outer, *expand_reduce, pixels.inner, pmi_loop)
+        unrolled = [Unroll(pixels.inner)]
     records += [
         pixels,
-        Reorder((pixels.outer, *expand_reduce, pixels.inner, pmi_loop)),
+        Reorder(order),
         expand_cache,
         Vectorize(pmi_loop),
-        Unroll(pixels.inner),
+        *unrolled,
         *_vector_tile_io(expand_cache, len(producer.shape)),
     ]
     if epilogue_of_producer and on_stack:
@@ -1178,7 +1264,7 @@ def nchwc_chain_schedule(
     records.append(Unroll(taps[-1]))  # the row's taps: its input vectors loaded once
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    fused, parallel = fuse_all([n_loop, mo_loop, rows.outer])
+    fused, parallel = fuse_all([n_loop, group_loop, rows.outer])
     return [*records, *fused, Parallel(parallel)]
 
 
@@ -1212,7 +1298,10 @@ TEMPLATES: dict[str, Template] = {
     "conv2d_nchwc": Template("conv2d_nchwc", 3, _nchwc_knobs, nchwc_conv_schedule, _nchwc_fits),
     "dense": Template("dense", 2, _matmul_knobs, matmul_schedule, _matmul_fits),
     "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
-    "conv2d_nchwc_chain": Template("conv2d_nchwc_chain", 1, _chain_knobs, nchwc_chain_schedule),
+    # v2: the blocks knob (channel blocks per tile), expand tiles of fewer than 4 pixels.
+    "conv2d_nchwc_chain": Template(
+        "conv2d_nchwc_chain", 2, _chain_knobs, nchwc_chain_schedule, _chain_fits
+    ),
 }
 
 

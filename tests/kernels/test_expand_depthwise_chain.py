@@ -149,3 +149,49 @@ def test_no_chain_where_the_expand_conv_is_not_a_plain_pointwise_one(name, model
     feeds = {"x": rand(*shape)}
     module = load(compiler_core.compile(model))
     assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
+
+
+# --- tiles of several channel blocks (the `blocks` knob) --------------------------------------
+
+AVX2 = "llvm -mattr=+avx2,+fma"
+AVX512 = "llvm -mattr=+avx2,+fma,+avx512f"
+
+
+def chain_task(model, target_text):
+    from compiler_core.target import parse_target
+
+    target = parse_target(target_text)
+    (task,) = extract_tasks(optimize(import_model(model), target=target), target)
+    return task
+
+
+@pytest.mark.parametrize("name", ["stride1", "stride2", "wide_rows"])
+def test_on_avx2_a_chain_tile_spans_three_channel_blocks_and_matches_onnxruntime(name):
+    """AVX2's FMAs take no broadcast operand: the expand conv's register tile spans three
+    channel blocks, so each broadcast input feeds three FMAs; the depthwise conv then runs
+    over the three blocks' rows one block at a time."""
+    model = CASES[name]()
+    default = chain_task(model, AVX2).default_config()
+    assert default["blocks"] == 3, default
+    assert default["expand_tile"] * 3 <= 12  # AVX2's accumulators
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = {"x": rand(*shape)}
+    module = load(compiler_core.compile(model, target=AVX2))
+    assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
+
+
+def test_with_avx512_a_chain_tile_keeps_one_channel_block():
+    """AVX-512's FMAs broadcast from memory: one block per tile, the schedule the chain's
+    records were measured with before the knob existed."""
+    assert chain_task(CASES["stride1"](), AVX512).default_config()["blocks"] == 1
+
+
+def test_a_tile_of_several_blocks_must_fit_the_stack_and_the_accumulators():
+    task = chain_task(CASES["wide_rows"](), AVX2)  # 56-pixel rows, 18 blocks
+    tunable = task.tunable
+    default = tunable.default_config()
+    assert not tunable.fits({**default, "blocks": 3, "expand_tile": 8})  # 24 accumulators
+    assert tunable.fits({**default, "blocks": 3, "expand_tile": 4})
+    assert tunable.fits({**default, "blocks": 1, "expand_tile": 8})
+    with pytest.raises(ValueError, match="does not fit"):
+        tunable.check({"blocks": 3, "expand_tile": 8})
