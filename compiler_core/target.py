@@ -32,6 +32,11 @@ FULL_WIDTH_512 = frozenset(
     {"znver5", "skylake-avx512", "cascadelake", "cooperlake", "icelake-server",
      "sapphirerapids", "emeraldrapids", "graniterapids"}
 )  # fmt: skip
+# Cores that run a 256-bit FMA as two 128-bit halves (AMD's Zen and Zen+, whose LLVM name is
+# znver1, and the FMA3 Bulldozers): an FMA handles 4 float32 lanes at the full rate, half of
+# what Zen 2 and later do with the same ymm registers (Zen 1 measured here: 40 GFLOP/s per
+# core, 16 FLOP a cycle).
+HALF_WIDTH_256 = frozenset({"znver1", "bdver2", "bdver3", "bdver4"})
 # AMX ships on Intel's server cores only (Sapphire Rapids on): a CPU with it has their two
 # full-width FMA pipes and 12-way L1 whatever model number it reports. A hypervisor may show
 # a server core under a client's (seen: KVM's model 167, which LLVM names rocketlake, on a
@@ -80,8 +85,12 @@ class Target:
     @property
     def fma_lanes(self) -> int:
         """float32 lanes an FMA handles at the full rate: a vector register's on a core with
-        full-width pipes, else 8 (a ymm register)."""
-        if self.is_gpu or self.vector_lanes <= 8:
+        full-width pipes, else 8 (a ymm register), or 4 on a core that splits even those."""
+        if self.is_gpu:
+            return self.vector_lanes
+        if self.cpu in HALF_WIDTH_256:
+            return 4
+        if self.vector_lanes <= 8:
             return self.vector_lanes
         full_width = self.cpu in FULL_WIDTH_512 or self._intel_server
         return self.vector_lanes if full_width else 8

@@ -271,7 +271,9 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
     algorithms = ("direct",)
     if data_block and nsp == 2:
         algorithms = conv_algorithms(kernel, strides, dilations, group, real_cg, real_m)
-    chosen = ctx.choice("conv_algorithm", default_algorithm(algorithms, *out.shape[2:4]))
+    chosen = ctx.choice(
+        "conv_algorithm", default_algorithm(algorithms, *out.shape[2:4], ctx.target)
+    )
     if chosen not in algorithms:
         raise KernelError(f"node {node.name!r}: no {chosen!r} conv (it can run {algorithms})")
     if winograd_size(chosen):

@@ -919,16 +919,25 @@ def blocked_pool_schedule(
     return [*records, Parallel(cb)]
 
 
-def winograd_tile(out_h: int, out_w: int) -> int:
+def winograd_tile(out_h: int, out_w: int, target: Target) -> int:
     """The output tile m of the Winograd F(m x m, 3 x 3) conv an untuned build runs for a conv
     that can take one (`kernels/winograd.py:conv_algorithms`), or 0 for the direct conv.
     F(4x4) takes 4x fewer multiplications than the direct conv, F(2x2) 2.25x; each of their
     alpha^2 GEMMs reads its own transformed filters for one row of tiles, so a small image
     takes the small tile: measured on Zen 4 (ms, direct / F(2x2) / F(4x4)), 512 channels at
     7x7 1.16 / 0.74 / 0.93, 256 at 14x14 1.03 / 0.58 / 0.55 (F(2x2) ahead in a whole model),
-    128 at 28x28 1.04 / 0.50 / 0.33."""
+    128 at 28x28 1.04 / 0.50 / 0.33. Where the FMAs run at half width (`Target.fma_lanes`
+    4: Zen 1), multiplications cost twice as much against those reads, and F(4x4) takes
+    every image F(2x2) would: on Zen 1, 512 channels at 7x7 2.61 -> 1.94 ms, 256 at 14x14
+    2.00 -> 1.59 (ResNet-18 untuned 0.9x)."""
+
+    def tiles(m: int) -> int:
+        return -(-out_h // m) * -(-out_w // m)
+
+    if target.fma_lanes < 8 and tiles(2) >= WINOGRAD_F2_MIN_TILES:
+        return 4
     for m, least in ((4, WINOGRAD_F4_MIN_TILES), (2, WINOGRAD_F2_MIN_TILES)):
-        if -(-out_h // m) * -(-out_w // m) >= least:
+        if tiles(m) >= least:
             return m
     return 0
 

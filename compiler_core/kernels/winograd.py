@@ -30,6 +30,7 @@ import numpy as np
 from compiler_core.kernels.base import KernelContext
 from compiler_core.kernels.schedules import WINOGRAD_MIN_CHANNELS, winograd_tile
 from compiler_core.loop.ir import INDEX, Binary, Const, Expr, Select
+from compiler_core.target import Target
 from compiler_core.te import Tensor, compute, reduce_axis, reduce_sum
 
 
@@ -263,9 +264,9 @@ def conv_algorithms(
     return ("direct", *(f"winograd{m}" for m in sorted(TRANSFORMS)))
 
 
-def default_algorithm(algorithms: tuple[str, ...], out_h: int, out_w: int) -> str:
-    """The untuned choice among `algorithms` (see `winograd_tile`)."""
-    tile = winograd_tile(out_h, out_w) if len(algorithms) > 1 else 0
+def default_algorithm(algorithms: tuple[str, ...], out_h: int, out_w: int, target: Target) -> str:
+    """The untuned choice among `algorithms` on `target` (see `winograd_tile`)."""
+    tile = winograd_tile(out_h, out_w, target) if len(algorithms) > 1 else 0
     return f"winograd{tile}" if tile else "direct"
 
 

@@ -5,6 +5,8 @@ epilogues, batch 2, data the layout pass blocks for it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -59,12 +61,24 @@ def test_algorithm_rules():
     assert conv_algorithms((3, 3), (1, 1), (1, 1), 2, 64, 64) == ("direct",)
     assert conv_algorithms((5, 5), (1, 1), (1, 1), 1, 64, 64) == ("direct",)
     assert conv_algorithms((3, 3), (1, 1), (1, 1), 1, 16, 64) == ("direct",)
-    assert default_algorithm(both, 56, 56) == "winograd4"
-    assert default_algorithm(both, 28, 28) == "winograd4"
-    assert default_algorithm(both, 14, 14) == "winograd2"
-    assert default_algorithm(both, 7, 7) == "winograd2"
-    assert default_algorithm(both, 5, 5) == "direct"
-    assert default_algorithm(("direct",), 56, 56) == "direct"
+    zen3 = dataclasses.replace(host_target(), cpu="znver3", features="+avx2,+fma")
+    assert default_algorithm(both, 56, 56, zen3) == "winograd4"
+    assert default_algorithm(both, 28, 28, zen3) == "winograd4"
+    assert default_algorithm(both, 14, 14, zen3) == "winograd2"
+    assert default_algorithm(both, 7, 7, zen3) == "winograd2"
+    assert default_algorithm(both, 5, 5, zen3) == "direct"
+    assert default_algorithm(("direct",), 56, 56, zen3) == "direct"
+
+
+def test_where_fmas_run_at_half_width_small_images_take_the_larger_winograd_tile():
+    """Zen 1 splits each 256-bit FMA in two: the multiplications F(4x4) saves weigh more than
+    the transformed filters it reads, on every image F(2x2) would take."""
+    both = ("direct", "winograd2", "winograd4")
+    zen1 = dataclasses.replace(host_target(), cpu="znver1", features="+avx2,+fma")
+    assert zen1.fma_lanes == 4
+    assert default_algorithm(both, 14, 14, zen1) == "winograd4"
+    assert default_algorithm(both, 7, 7, zen1) == "winograd4"
+    assert default_algorithm(both, 5, 5, zen1) == "direct"
 
 
 def winograd_chain(c, m, size, batch=1, pads=(1, 1, 1, 1), bias=True, residual=False):
