@@ -34,8 +34,8 @@ FULL_WIDTH_512 = frozenset(
 )  # fmt: skip
 # Cores that run a 256-bit FMA as two 128-bit halves (AMD's Zen and Zen+, whose LLVM name is
 # znver1, and the FMA3 Bulldozers): an FMA handles 4 float32 lanes at the full rate, half of
-# what Zen 2 and later do with the same ymm registers (Zen 1 measured here: 40 GFLOP/s per
-# core, 16 FLOP a cycle).
+# what Zen 2 and later do with the same ymm registers (bench.run's FMA peak on a Zen 1 VM:
+# 40 GFLOP/s a core, against 99 on a Zen 3).
 HALF_WIDTH_256 = frozenset({"znver1", "bdver2", "bdver3", "bdver4"})
 # AMX ships on Intel's server cores only (Sapphire Rapids on): a CPU with it has their two
 # full-width FMA pipes and 12-way L1 whatever model number it reports. A hypervisor may show
