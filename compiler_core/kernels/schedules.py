@@ -389,9 +389,8 @@ def _triple_tile(
     201 and 305 us. With taps, the three weight vectors of each tap join the twelve
     accumulators in the sixteen registers: a 3x3 conv to 24 channels ran 494 us in 4 x 3
     tiles, 436 in 8 x 1."""
-    if target.fma_broadcasts or out_blocks % 2 == 0 or out_blocks % 3:
-        return None
-    if (group_blocks or out_blocks) % 3:
+    pair_up, come_in_threes = out_blocks % 2 == 0, (group_blocks or out_blocks) % 3 == 0
+    if target.fma_broadcasts or pair_up or not come_in_threes:
         return None
     bound = _nchwc_most(block, target) // 3
     pixels = next((t for t in range(bound, 1, -1) if width % t == 0), 0)
@@ -1094,7 +1093,7 @@ def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
         and (r == height or 2 * ((r - 1) * stride + taps) <= 3 * r * stride)
     ) or (1,)
     block = chain_producer(dw).shape[-1]
-    expand_most = _nchwc_most(block, target)
+    expand_most = _expand_most(dw, target)
     blocks_choices = _chain_block_choices(dw, expand_most)
     blocks = _default_chain_blocks(dw, blocks_choices, rows[0], target)
     # The default: the tallest tile that fits CHAIN_TILE_BYTES and leaves two tiles of work
@@ -1134,21 +1133,29 @@ def _chain_block_choices(dw: StageInfo, expand_most: int) -> tuple[int, ...]:
     ) or (1,)
 
 
+def _expand_most(dw: StageInfo, target: Target) -> int:
+    """Accumulators the chained expand conv's register tile may hold."""
+    return _nchwc_most(chain_producer(dw).shape[-1], target)
+
+
 def _expand_tile_of(dw: StageInfo, blocks: int, target: Target) -> int:
     """The longest expand tile (a divisor of the row) whose `blocks` x pixels accumulators
     fit the registers; 0 when none holds `_least_expand_accumulators`."""
-    most = _nchwc_most(chain_producer(dw).shape[-1], target)
-    width = dw.note("in_width")
-    tile = max(t for t in range(1, most // blocks + 1) if width % t == 0)
+    most = _expand_most(dw, target)
+    tile = _largest_divisor(dw.note("in_width"), range(most // blocks, 0, -1))
     return tile if tile * blocks >= _least_expand_accumulators(dw, most) else 0
 
 
 def _least_expand_accumulators(dw: StageInfo, most: int) -> int:
     """CHAIN_LEAST_TILE accumulators, or the longest one-block tile a row short of divisors
     has (a prime row of 3 pixels: 3)."""
-    width = dw.note("in_width")
-    longest = max(t for t in range(1, most + 1) if width % t == 0)
-    return min(CHAIN_LEAST_TILE, longest)
+    return min(CHAIN_LEAST_TILE, _largest_divisor(dw.note("in_width"), range(most, 0, -1)))
+
+
+def _chain_on_stack(dw: StageInfo, rows: int, blocks: int) -> bool:
+    """Whether the expand conv's output for a tile of `rows` output rows and `blocks` channel
+    blocks fits the largest stack buffer (else it stays in the group's workspace buffers)."""
+    return blocks * chain_tile_bytes(dw, rows) <= CHAIN_MAX_TILE_BYTES
 
 
 def _default_chain_blocks(
@@ -1176,11 +1183,10 @@ def _chain_fits(dw: StageInfo, config: Mapping[str, object], target: Target) -> 
     `_least_expand_accumulators`; a tile of several blocks lies on the stack."""
     blocks, expand_tile = int(config["blocks"]), int(config["expand_tile"])
     accumulators = blocks * expand_tile
-    most = _nchwc_most(chain_producer(dw).shape[-1], target)
+    most = _expand_most(dw, target)
     if not _least_expand_accumulators(dw, most) <= accumulators <= most:
         return False
-    on_stack = blocks * chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
-    return blocks == 1 or on_stack
+    return blocks == 1 or _chain_on_stack(dw, int(config["rows"]), blocks)
 
 
 # A chained depthwise conv's register tiles: at least CHAIN_LEAST_TILE pixels (fewer leave
@@ -1230,7 +1236,7 @@ def nchwc_chain_schedule(
     # too big for the stack stays in the group's workspace buffers, indexed by the model's
     # rows: there the epilogue is a pass of its own over the tile.
     epilogue_of_producer = dw.note("producer_epilogue")
-    on_stack = blocks * chain_tile_bytes(dw, int(config["rows"])) <= CHAIN_MAX_TILE_BYTES
+    on_stack = _chain_on_stack(dw, int(config["rows"]), blocks)
     if epilogue_of_producer:
         records.append(ComputeAt(epilogue_of_producer, rows.outer, CHAIN_MAX_TILE_BYTES))
     at = ComputeAt(producer.name, rows.outer, CHAIN_MAX_TILE_BYTES)
