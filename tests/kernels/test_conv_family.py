@@ -370,9 +370,9 @@ def test_layout_transform_between_padded_blocks(width):
 AVX2 = "llvm -mattr=+avx2,+fma"
 
 
-def pointwise_to_24_channels():
-    """1x1 conv 48 -> 24 channels (three 8-channel blocks that do not pair up) on a 12-pixel
-    row, over a blocked input (a 3x3 conv before it), with ReLU."""
+def pointwise_to_24_channels(out: int = 24):
+    """1x1 conv 48 -> `out` channels (24: three 8-channel blocks that do not pair up) on a
+    12-pixel row, over a blocked input (a 3x3 conv before it), with ReLU."""
     return make_model(
         [
             helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", pads=[1] * 4),
@@ -380,14 +380,18 @@ def pointwise_to_24_channels():
             helper.make_node("Relu", ["c"], ["y"], name="relu"),
         ],
         [("x", FLOAT, [1, 16, 12, 12])],
-        [("y", FLOAT, [1, 24, 12, 12])],
-        {"w1": rand(48, 16, 3, 3, scale=0.2), "w2": rand(24, 48, 1, 1, scale=0.2), "b2": rand(24)},
+        [("y", FLOAT, [1, out, 12, 12])],
+        {
+            "w1": rand(48, 16, 3, 3, scale=0.2),
+            "w2": rand(out, 48, 1, 1, scale=0.2),
+            "b2": rand(out),
+        },
     )
 
 
-def pointwise_task(target):
-    graph = optimize(import_model(pointwise_to_24_channels()), target=target)
-    return next(t for t in extract_tasks(graph, target) if "r6x1x1" in t.workload)
+def pointwise_task(target, out: int = 24):
+    graph = optimize(import_model(pointwise_to_24_channels(out)), target=target)
+    return next(t for t in extract_tasks(graph, target) if "x1x1x" in t.workload)
 
 
 def test_a_1x1_conv_to_three_blocks_takes_a_tile_of_three_blocks_on_avx2_and_matches_ort():
@@ -405,7 +409,8 @@ def test_a_1x1_conv_to_three_blocks_takes_a_tile_of_three_blocks_on_avx2_and_mat
 def test_every_tile_of_three_blocks_measures_correct():
     """Three blocks per tile is a knob value on every target; each tile length with it runs
     and matches the reference in the measurer."""
-    task = pointwise_task(host_target())
+    target = host_target()
+    task = pointwise_task(target, out=3 * target.vector_lanes)  # three of the host's blocks
     knobs = {k.name: k for k in task.tunable.knobs}
     assert 3 in knobs["mo_tile"].choices
     default = task.default_config()
