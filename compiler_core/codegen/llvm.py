@@ -47,6 +47,7 @@ from compiler_core.loop.ir import (
     ForKind,
     IfThenElse,
     Load,
+    Prefetch,
     PrimFunc,
     Select,
     Stmt,
@@ -61,6 +62,9 @@ from compiler_core.target import Target
 # Chunks per thread of a parallel loop: enough that a preempted thread's share is small and
 # the others take it over, few enough that each chunk is long next to one atomic add.
 CHUNKS_PER_THREAD = 4
+# `llvm.prefetch`'s locality for a `Prefetch`: 2 is x86's prefetcht1 (into L2, not L1: the
+# lines are a later iteration's, and L1 holds the current one's).
+PREFETCH_LOCALITY = 2
 
 
 class CodegenError(ValueError):
@@ -241,6 +245,8 @@ class FunctionEmitter:
             self._allocate(b, scope, s)
         elif isinstance(s, IfThenElse):
             self._if(b, scope, s)
+        elif isinstance(s, Prefetch):
+            self._prefetch(b, scope, s)
         else:
             raise CodegenError(f"no LLVM rule for statement {type(s).__name__}")
 
@@ -492,6 +498,21 @@ class FunctionEmitter:
             for lane, pointer in enumerate(where):
                 lane_value = b.extract_element(value, I32(lane)) if vector else value
                 b.store(lane_value, pointer)
+
+    def _prefetch(self, b, scope: _Scope, s: Prefetch) -> None:
+        """`prefetcht1` on x86: the line into L2, where a kernel's weights are reused from."""
+        if scope.vector_var is not None:  # one line for all lanes: the first lane's
+            scope = dataclasses.replace(
+                scope, values={**scope.values, scope.vector_var: I64(0)}, lanes=1, vector_var=None
+            )
+        base = scope.buffers.get(s.buffer)
+        if base is None:
+            raise CodegenError(f"buffer {s.buffer.name!r} is not in scope")
+        element = memory_type(s.buffer.dtype)
+        where = b.gep(base, [self._expr(b, scope, s.offset)], source_etype=element)
+        prefetch = self._declare("llvm.prefetch.p0", ir.VoidType(), [PTR, I32, I32, I32])
+        read, data = I32(0), I32(1)
+        b.call(prefetch, [where, read, I32(PREFETCH_LOCALITY), data])
 
     def _lane_fold(self, b, scope: _Scope, s: Store) -> None:
         """acc = combine(acc, term(lane)) over a vectorized loop's lanes (`folds_over_lanes`

@@ -38,7 +38,7 @@ from compiler_core.codegen.llvm import (
     _suffix,
     memory_type,
 )
-from compiler_core.loop.ir import Allocate, Barrier, Call, For, ForKind, PrimFunc, Stmt
+from compiler_core.loop.ir import Allocate, Barrier, Call, For, ForKind, Prefetch, PrimFunc, Stmt
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DATA_LAYOUT = "e-p6:32:32-i64:64-i128:128-i256:256-v16:16-v32:32-n16:32:64"
@@ -72,6 +72,8 @@ class DeviceEmitter(FunctionEmitter):
     def _stmt(self, b: ir.IRBuilder, scope: _Scope, s: Stmt) -> None:
         if isinstance(s, Barrier):
             b.call(self._declare("llvm.nvvm.barrier0", ir.VoidType(), []), [])
+        elif isinstance(s, Prefetch):
+            return  # a CPU cache hint; GPU weights go through the runtime's L2 prefetch
         else:
             super()._stmt(b, scope, s)
 

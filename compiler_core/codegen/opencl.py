@@ -32,6 +32,7 @@ from compiler_core.loop.ir import (
     ForKind,
     IfThenElse,
     Load,
+    Prefetch,
     PrimFunc,
     Select,
     Stmt,
@@ -244,6 +245,8 @@ class KernelRenderer:
             self.emit(depth, "}")
         elif isinstance(s, Barrier):
             self.emit(depth, "barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);")
+        elif isinstance(s, Prefetch):
+            pass  # a CPU cache hint: the twin renders what a GPU build runs, which has none
         else:
             raise CodegenError(f"no OpenCL rule for statement {type(s).__name__}")
 

@@ -344,6 +344,7 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
     ctx.note(
         conv.name,
         layout="nchwc_depthwise" if depthwise else "nchwc",
+        weights=wp.name,  # the packed weights' parameter, which a schedule may prefetch
         block=block,
         group_blocks=group_blocks,
         algorithms=algorithms,

@@ -202,7 +202,13 @@ def winograd_conv(
         (n_batch, positions * out_blocks, grid.tiles, block), product, ctx.stage_name(node), dtype
     )
     ctx.note(
-        gemm.name, layout="nchwc", block=block, group_blocks=out_blocks, winograd=m, **(notes or {})
+        gemm.name,
+        layout="nchwc",
+        weights=up.name,
+        block=block,
+        group_blocks=out_blocks,
+        winograd=m,
+        **(notes or {}),
     )
 
     def output_columns(n, mo, tile, eps, j, mi):  # (M A)[eps, j]

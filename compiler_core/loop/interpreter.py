@@ -25,6 +25,7 @@ from compiler_core.loop.ir import (
     For,
     IfThenElse,
     Load,
+    Prefetch,
     PrimFunc,
     Select,
     Stmt,
@@ -153,6 +154,8 @@ def _compile_stmt(s: Stmt) -> Callable[[Env], None]:
             env[name][tuple(f(env) for f in index)] = t(value(env))
 
         return run_store
+    if isinstance(s, Prefetch):  # a cache hint: nothing to compute
+        return lambda env: None
     if isinstance(s, Allocate):
         buffer, body = s.buffer, _compile_stmt(s.body)
 

@@ -407,6 +407,18 @@ class Store(Stmt):
 
 
 @dataclasses.dataclass(frozen=True)
+class Prefetch(Stmt):
+    """A hint that the cache line holding element `offset` of `buffer` (counted row-major
+    over its whole shape) will be read soon: the CPU code generator asks for it in L2
+    (`llvm.prefetch`). It changes no value: the interpreter and the GPU renderers skip it. A
+    prefetch cannot fault, but schedules keep the offset inside the buffer all the same."""
+
+    CHILD_FIELDS = ("offset",)
+    buffer: Buffer
+    offset: Expr
+
+
+@dataclasses.dataclass(frozen=True)
 class Allocate(Stmt):
     CHILD_FIELDS = ("body",)
     buffer: Buffer

@@ -16,6 +16,7 @@ from compiler_core.loop.ir import (
     ForKind,
     IfThenElse,
     Load,
+    Prefetch,
     PrimFunc,
     Select,
     Stmt,
@@ -88,6 +89,8 @@ def format_stmt(s: Stmt, indent: int = 0) -> list[str]:
     if isinstance(s, Store):
         index = ", ".join(format_expr(i) for i in s.indices)
         return [f"{pad}{s.buffer.name}[{index}] = {format_expr(s.value)}"]
+    if isinstance(s, Prefetch):
+        return [f"{pad}prefetch {s.buffer.name}.flat[{format_expr(s.offset)}]"]
     if isinstance(s, Allocate):
         return [
             f"{pad}alloc {s.buffer.scope} {_buffer_decl(s.buffer)}",

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from compiler_core.loop.ir import Allocate, Buffer, For, ForKind, Load, PrimFunc, Stmt, Store, Var
+from compiler_core.loop.ir import (
+    Allocate,
+    Buffer,
+    For,
+    ForKind,
+    Load,
+    Prefetch,
+    PrimFunc,
+    Stmt,
+    Store,
+    Var,
+)
 from compiler_core.loop.printer import format_func
 from compiler_core.loop.transform import stmt_exprs, walk_exprs, walk_stmts
 
@@ -41,7 +52,7 @@ def vars_bound(func: PrimFunc) -> Iterator[str]:
 
 def buffers_in_scope(func: PrimFunc) -> Iterator[str]:
     for stmt, _, buffers in _scoped(func):
-        used = [stmt.buffer] if isinstance(stmt, Store) else []
+        used = [stmt.buffer] if isinstance(stmt, (Store, Prefetch)) else []
         for e in stmt_exprs(stmt):
             used += [x.buffer for x in walk_exprs(e) if isinstance(x, Load)]
         for buffer in used:

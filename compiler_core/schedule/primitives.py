@@ -16,6 +16,8 @@ import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from compiler_core.loop.combiner import folds_over_lanes
 from compiler_core.loop.ir import (
     BINDINGS,
@@ -33,6 +35,7 @@ from compiler_core.loop.ir import (
     ForKind,
     IfThenElse,
     Load,
+    Prefetch,
     PrimFunc,
     Select,
     Stmt,
@@ -51,6 +54,7 @@ from compiler_core.loop.simplify import (
 )
 from compiler_core.loop.transform import (
     find_loop,
+    loads_of,
     map_expr,
     map_stmt,
     replace_stmt,
@@ -143,6 +147,21 @@ class Unroll:
 @dataclasses.dataclass(frozen=True)
 class Parallel:
     loop: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchNext:
+    """Bring what the next iteration of `loop` will read of the parameter `buffer` into L2
+    while this iteration runs: the lines of that slice are prefetched a few at a time at the
+    top of every iteration of `at` (a loop inside `loop`), spread evenly over this
+    iteration's runs of `at`. Each iteration of `loop` must read an affine slice of the
+    buffer that moves by a fixed stride (a blocked conv's weights per chunk of output
+    channels): inside a whole model the slice then comes from L2, not memory, as a kernel
+    timed alone finds it."""
+
+    buffer: str
+    loop: str
+    at: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +284,7 @@ Record = (
     | Bind
     | CacheRead
     | CrossThreadReduce
+    | PrefetchNext
 )
 RECORD_TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -283,6 +303,7 @@ RECORD_TYPES: dict[str, type] = {
         Bind,
         CacheRead,
         CrossThreadReduce,
+        PrefetchNext,
     )
 }
 MAX_VECTOR_LANES = 64
@@ -1219,6 +1240,93 @@ def cross_thread_reduce(func: PrimFunc, r: CrossThreadReduce) -> PrimFunc:
     return _with_body(func, replace_stmt(func.body, nest, new))
 
 
+# The line size prefetches step by (every x86 and Arm core Kiln targets has 64-byte lines).
+CACHE_LINE_BYTES = 64
+
+
+def prefetch_next(func: PrimFunc, r: PrefetchNext) -> PrimFunc:
+    buffer = next((p for p in func.params if p.name == r.buffer), None)
+    if buffer is None:
+        raise ScheduleError(f"{r}: {r.buffer!r} is not a parameter of {func.name}")
+    loop, at = _loop(func, r.loop, r), _loop(func, r.at, r)
+    path = _loops_above(loop.body, at)
+    if path is None:
+        raise ScheduleError(f"{r}: {r.at!r} is not inside {r.loop!r}")
+    if at.kind not in (ForKind.SERIAL, ForKind.UNROLLED):
+        raise ScheduleError(f"{r}: {r.at!r} is {at.kind.value}; prefetches go in a serial loop")
+    start, span = _next_slice(loop, buffer, r)
+    steps = [*path, at]  # the loops whose iterations the slice's lines are spread over
+    step: Expr = Const(0, INDEX)
+    for s in steps:
+        step = Binary("add", Binary("mul", step, Const(s.extent, INDEX)), s.var)
+    per_line = max(1, CACHE_LINE_BYTES // np.dtype(buffer.dtype).itemsize)
+    lines = -(-span // per_line)
+    per_step = -(-lines // math.prod(s.extent for s in steps))
+    last = Binary(
+        "min", Binary("add", start, Const(span - 1, INDEX)), Const(buffer.size - 1, INDEX)
+    )
+    prefetches = [
+        Prefetch(
+            buffer,
+            simplify_expr(
+                Binary(
+                    "min",
+                    Binary(
+                        "add",
+                        start,
+                        Binary(
+                            "mul",
+                            Binary(
+                                "add", Binary("mul", step, Const(per_step, INDEX)), Const(k, INDEX)
+                            ),
+                            Const(per_line, INDEX),
+                        ),
+                    ),
+                    last,
+                )
+            ),
+        )
+        for k in range(per_step)
+    ]
+    new = For(at.var, at.extent, seq(*prefetches, at.body), at.kind)
+    return _with_body(func, replace_stmt(func.body, at, new))
+
+
+def _next_slice(loop: For, buffer: Buffer, record) -> tuple[Expr, int]:
+    """(first element, length) of the flat run of `buffer` that the iteration after the
+    current one of `loop` reads: every read's flat index must be affine, with the loops
+    inside `loop` counting up (so the run starts where they are all 0)."""
+    inner = {s.var.name: s.extent for s in walk_stmts(loop.body) if isinstance(s, For)}
+    name = loop.var.name
+    forms = []
+    for load in loads_of(loop.body, buffer):
+        flat: Expr = Const(0, INDEX)
+        stride = 1
+        for index, size in reversed(list(zip(load.indices, buffer.shape, strict=True))):
+            flat = Binary("add", flat, Binary("mul", index, Const(stride, INDEX)))
+            stride *= size
+        form = affine(simplify_expr(flat))
+        if form is None or any(c < 0 for v, c in form[0].items() if v in inner):
+            raise ScheduleError(f"{record}: {buffer.name!r} is not read in an affine run")
+        forms.append((flat, form))
+    if not forms:
+        raise ScheduleError(f"{record}: {loop.var.name!r} does not read {buffer.name!r}")
+    outer = {v: c for v, c in forms[0][1][0].items() if v not in inner}
+    if any({v: c for v, c in f[0].items() if v not in inner} != outer for _, f in forms):
+        raise ScheduleError(f"{record}: the reads of {buffer.name!r} move differently")
+    if outer.get(name, 0) <= 0:
+        raise ScheduleError(f"{record}: {buffer.name!r} does not move with {name!r}")
+    first = min(f[1] for _, f in forms)
+    end = max(
+        f[1] + sum(c * (inner[v] - 1) for v, c in f[0].items() if v in inner) for _, f in forms
+    )
+    start: Expr = Const(first, INDEX)
+    for v, c in outer.items():  # the outer loops as they are, `loop` one iteration on
+        term = Binary("add", Var(v), Const(1, INDEX)) if v == name else Var(v)
+        start = Binary("add", start, Binary("mul", term, Const(c, INDEX)))
+    return start, end - first + 1
+
+
 PRIMITIVES = {
     Split: split,
     SplitOverlap: split_overlap,
@@ -1234,6 +1342,7 @@ PRIMITIVES = {
     Bind: bind,
     CacheRead: cache_read,
     CrossThreadReduce: cross_thread_reduce,
+    PrefetchNext: prefetch_next,
 }
 
 

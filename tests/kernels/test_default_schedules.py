@@ -346,3 +346,25 @@ def test_a_conv_without_taps_shares_each_broadcast_among_three_blocks_on_avx2():
     assert nchwc_default_tile(56, 8, False, 3, avx2, taps=True) == (8, 1)
     assert nchwc_default_tile(56, 8, False, 6, avx2, taps=False) == (4, 2)  # they pair up
     assert nchwc_default_tile(56, 8, False, 3, avx512, taps=False)[1] == 1
+
+
+def test_a_blocked_conv_prefetches_its_next_weights_and_old_records_keep_their_meaning():
+    """The default schedule of a conv over channel blocks prefetches the next chunk's weights;
+    a config logged before the `prefetch` knob existed (it lacks it) means no prefetch, as
+    when it was measured. A depthwise conv, whose weights are a few lines, has no such knob."""
+    from compiler_core.autotune.tasks import extract_tasks
+
+    target = host_target()
+    graph = optimize(import_model(conv_model(32, 64, 1, 3, 1, [1, 1, 1, 1])), target=target)
+    (task,) = [t for t in extract_tasks(graph, target) if "prefetch" in t.default_config()]
+    default = task.default_config()
+    assert default["prefetch"] == 1
+
+    def prefetches(config):
+        return [r for r in task.records(config) if type(r).__name__ == "PrefetchNext"]
+
+    assert prefetches(None) and prefetches(default)
+    logged_before = {k: v for k, v in default.items() if k != "prefetch"}
+    assert not prefetches(logged_before)
+    depthwise = optimize(import_model(conv_model(16, 16, 16, 3, 1, [1, 1, 1, 1])), target=target)
+    assert all("prefetch" not in t.default_config() for t in extract_tasks(depthwise, target))
