@@ -56,7 +56,14 @@ from compiler_core.loop.ir import (
     Var,
 )
 from compiler_core.loop.simplify import simplify_expr
-from compiler_core.loop.transform import mentions, stmt_exprs, substitute, walk_exprs, walk_stmts
+from compiler_core.loop.transform import (
+    flat_index,
+    mentions,
+    stmt_exprs,
+    substitute,
+    walk_exprs,
+    walk_stmts,
+)
 from compiler_core.target import Target
 
 # Chunks per thread of a parallel loop: enough that a preempted thread's share is small and
@@ -383,12 +390,7 @@ class FunctionEmitter:
     # --- memory ---------------------------------------------------------------------------
 
     def _flat_index(self, buffer: Buffer, indices: Sequence[Expr]) -> Expr:
-        flat: Expr = Const(0, INDEX)
-        stride = 1
-        for index, size in reversed(list(zip(indices, buffer.shape, strict=True))):
-            flat = Binary("add", flat, Binary("mul", index, Const(stride, INDEX)))
-            stride *= size
-        return flat
+        return flat_index(buffer, indices)
 
     def _access(self, b, scope: _Scope, buffer: Buffer, indices, strided: bool = False):
         """(kind, pointer or per-lane pointers): 'scalar', 'contiguous' or 'lanes', or with

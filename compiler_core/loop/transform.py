@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from compiler_core.loop.ir import (
+    INDEX,
+    Binary,
     Buffer,
+    Const,
     Expr,
     For,
     Load,
@@ -84,6 +87,16 @@ def stmt_exprs(s: Stmt) -> Iterator[Expr]:
     for child in s.children():
         if isinstance(child, Expr):
             yield child
+
+
+def flat_index(buffer: Buffer, indices: Sequence[Expr]) -> Expr:
+    """The row-major element offset of `buffer[indices]`."""
+    flat: Expr = Const(0, INDEX)
+    stride = 1
+    for index, size in reversed(list(zip(indices, buffer.shape, strict=True))):
+        flat = Binary("add", flat, Binary("mul", index, Const(stride, INDEX)))
+        stride *= size
+    return flat
 
 
 def loads_of(s: Stmt, buffer: Buffer) -> list[Load]:

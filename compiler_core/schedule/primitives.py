@@ -42,6 +42,7 @@ from compiler_core.loop.ir import (
     Store,
     Unary,
     Var,
+    minimum,
     seq,
 )
 from compiler_core.loop.simplify import (
@@ -54,6 +55,7 @@ from compiler_core.loop.simplify import (
 )
 from compiler_core.loop.transform import (
     find_loop,
+    flat_index,
     loads_of,
     map_expr,
     map_stmt,
@@ -1258,36 +1260,13 @@ def prefetch_next(func: PrimFunc, r: PrefetchNext) -> PrimFunc:
     steps = [*path, at]  # the loops whose iterations the slice's lines are spread over
     step: Expr = Const(0, INDEX)
     for s in steps:
-        step = Binary("add", Binary("mul", step, Const(s.extent, INDEX)), s.var)
+        step = step * s.extent + s.var
     per_line = max(1, CACHE_LINE_BYTES // np.dtype(buffer.dtype).itemsize)
     lines = -(-span // per_line)
     per_step = -(-lines // math.prod(s.extent for s in steps))
-    last = Binary(
-        "min", Binary("add", start, Const(span - 1, INDEX)), Const(buffer.size - 1, INDEX)
-    )
-    prefetches = [
-        Prefetch(
-            buffer,
-            simplify_expr(
-                Binary(
-                    "min",
-                    Binary(
-                        "add",
-                        start,
-                        Binary(
-                            "mul",
-                            Binary(
-                                "add", Binary("mul", step, Const(per_step, INDEX)), Const(k, INDEX)
-                            ),
-                            Const(per_line, INDEX),
-                        ),
-                    ),
-                    last,
-                )
-            ),
-        )
-        for k in range(per_step)
-    ]
+    last = minimum(start + (span - 1), buffer.size - 1)  # the slice's end, inside the buffer
+    offsets = (start + (step * per_step + k) * per_line for k in range(per_step))
+    prefetches = [Prefetch(buffer, simplify_expr(minimum(offset, last))) for offset in offsets]
     new = For(at.var, at.extent, seq(*prefetches, at.body), at.kind)
     return _with_body(func, replace_stmt(func.body, at, new))
 
@@ -1300,26 +1279,19 @@ def _next_slice(loop: For, buffer: Buffer, record) -> tuple[Expr, int]:
     name = loop.var.name
     forms = []
     for load in loads_of(loop.body, buffer):
-        flat: Expr = Const(0, INDEX)
-        stride = 1
-        for index, size in reversed(list(zip(load.indices, buffer.shape, strict=True))):
-            flat = Binary("add", flat, Binary("mul", index, Const(stride, INDEX)))
-            stride *= size
-        form = affine(simplify_expr(flat))
+        form = affine(simplify_expr(flat_index(buffer, load.indices)))
         if form is None or any(c < 0 for v, c in form[0].items() if v in inner):
             raise ScheduleError(f"{record}: {buffer.name!r} is not read in an affine run")
-        forms.append((flat, form))
+        forms.append(form)
     if not forms:
         raise ScheduleError(f"{record}: {loop.var.name!r} does not read {buffer.name!r}")
-    outer = {v: c for v, c in forms[0][1][0].items() if v not in inner}
-    if any({v: c for v, c in f[0].items() if v not in inner} != outer for _, f in forms):
+    outer = {v: c for v, c in forms[0][0].items() if v not in inner}
+    if any({v: c for v, c in f[0].items() if v not in inner} != outer for f in forms):
         raise ScheduleError(f"{record}: the reads of {buffer.name!r} move differently")
     if outer.get(name, 0) <= 0:
         raise ScheduleError(f"{record}: {buffer.name!r} does not move with {name!r}")
-    first = min(f[1] for _, f in forms)
-    end = max(
-        f[1] + sum(c * (inner[v] - 1) for v, c in f[0].items() if v in inner) for _, f in forms
-    )
+    first = min(f[1] for f in forms)
+    end = max(f[1] + sum(c * (inner[v] - 1) for v, c in f[0].items() if v in inner) for f in forms)
     start: Expr = Const(first, INDEX)
     for v, c in outer.items():  # the outer loops as they are, `loop` one iteration on
         term = Binary("add", Var(v), Const(1, INDEX)) if v == name else Var(v)
