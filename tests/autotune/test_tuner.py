@@ -431,6 +431,35 @@ def test_a_model_informed_by_many_workloads_picks_a_first_batch_from_the_whole_s
     assert batch == [top[0], default, *top[1:]]
 
 
+def test_workloads_of_another_template_do_not_inform_a_first_batch(tmp_path, target, measurer):
+    """A model fit on many workloads of one template ranks another template's space no
+    better than blind: its task's first batch is not left to the model's picks."""
+    (task,) = tasks_of(pointwise_conv_model())
+    space = task.space()
+    with FileLog(tmp_path / "source.jsonl") as source:
+        for k in range(search.INFORMED_WORKLOADS + 2):
+            other = dataclasses.replace(task, key=f"other-workload-{k}")
+            source.extend(
+                dataclasses.replace(
+                    search.measured_record(
+                        other,
+                        config,
+                        search.Result(costs=(1.0 + 0.01 * n,)),
+                        measurer,
+                        features=search.config_features(task, config),
+                    ),
+                    template="another_template",
+                )
+                for n, config in enumerate(space[k::3])
+            )
+        tuner = Tuner(
+            [task], target, FileLog(tmp_path / "t.jsonl"), measurer, transfer_from=[source]
+        )
+    (state,) = tuner.states
+    assert tuner.model.trained and not tuner._informed(state)
+    assert tuner._batch_for(state) > 1 + search.INFORMED_PICKS
+
+
 def test_a_proven_config_is_mapped_to_the_nearest_config_of_the_space():
     space = [{"tile": 7, "order": "ij", "blocks": 1}, {"tile": 14, "order": "ji", "blocks": 1}]
     kinds = search._kinds(space)
