@@ -1294,8 +1294,7 @@ def _next_slice(loop: For, buffer: Buffer, record) -> tuple[Expr, int]:
     end = max(f[1] + sum(c * (inner[v] - 1) for v, c in f[0].items() if v in inner) for f in forms)
     start: Expr = Const(first, INDEX)
     for v, c in outer.items():  # the outer loops as they are, `loop` one iteration on
-        term = Binary("add", Var(v), Const(1, INDEX)) if v == name else Var(v)
-        start = Binary("add", start, Binary("mul", term, Const(c, INDEX)))
+        start = start + (Var(v) + 1 if v == name else Var(v)) * c
     return start, end - first + 1
 
 
