@@ -117,6 +117,18 @@ class TaskState:
         return [c for c in self.space if config_key(c) not in self.visited]
 
 
+@dataclasses.dataclass(frozen=True)
+class TransferRows:
+    """What a session learns from before it measures: one row per logged record (its
+    features and throughput, and its workload, which LightGBM's ranking groups by), and each
+    of those workloads' template."""
+
+    rows: list[np.ndarray]
+    throughput: list[float]
+    workloads: list[str]
+    templates: dict[str, str]
+
+
 Progress = Callable[["Tuner", TaskState], None]
 
 
@@ -151,9 +163,12 @@ class Tuner:
         self._measuring = (0, 0.0)  # (configs, seconds): the rate a re-timing is planned at
         for state in self.states:
             self._resume(state)
-        # workload -> its template, for the session's tasks and every workload learnt from
-        self._templates = {state.task.key: state.task.template for state in self.states}
         self._transfer = self._transfer_rows(transfer_from)
+        # workload -> its template, for every workload learnt from and the session's tasks
+        self._templates = {
+            **self._transfer.templates,
+            **{state.task.key: state.task.template for state in self.states},
+        }
         self._trained_on: set[str] = set()  # the workloads the cost model was fit on
         self._retrain()  # warm: from the log alone, before this session measures anything
 
@@ -161,8 +176,8 @@ class Tuner:
     def transfer(self) -> tuple[int, int]:
         """(records, workloads) the cost model learns from before this session measures:
         other workloads' in the log, any workload's in the logs to learn from."""
-        _, _, groups = self._transfer
-        return len(groups), len(set(groups))
+        workloads = self._transfer.workloads
+        return len(workloads), len(set(workloads))
 
     # --- state from the log -------------------------------------------------------------
 
@@ -447,17 +462,14 @@ class Tuner:
                 state.retimed = False
             self._account(state, record.config, record.cost, retimed)
 
-    def _transfer_rows(
-        self, sources: Sequence[TuningLog]
-    ) -> tuple[list[np.ndarray], list[float], list[str]]:
-        """(features, throughput, workload) to learn from before measuring anything: the ok
-        records on this target, with features of the layout `extract` gives, of other
-        workloads in the session's log, and of every workload (this session's too) in the
-        read-only `sources`. (This session's records in its own log are trained on as they
-        are measured: `_retrain`.)"""
+    def _transfer_rows(self, sources: Sequence[TuningLog]) -> TransferRows:
+        """What to learn from before measuring anything: the ok records on this target,
+        with features of the layout `extract` gives, of other workloads in the session's log,
+        and of every workload (this session's too) in the read-only `sources`. (This
+        session's records in its own log are trained on as they are measured: `_retrain`.)"""
         own = {state.task.key for state in self.states}
         seen = set()  # a record in two of the logs counts once
-        rows, throughput, groups = [], [], []
+        rows, throughput, groups, templates = [], [], [], {}
         for log in (self.log, *sources):
             for record in log.records(fingerprint=self.fingerprint):
                 identity = (record.workload_key, record.config_key, record.timestamp)
@@ -474,11 +486,13 @@ class Tuner:
                     rows.append(np.array(record.features, np.float32))
                     throughput.append(1.0 / record.cost)
                     groups.append(record.workload_key)
-                    self._templates.setdefault(record.workload_key, record.template)
-        return rows, throughput, groups
+                    templates.setdefault(record.workload_key, record.template)
+        return TransferRows(rows, throughput, groups, templates)
 
     def _retrain(self) -> None:
-        rows, throughput, groups = (list(part) for part in self._transfer)
+        transfer = self._transfer
+        rows, throughput = list(transfer.rows), list(transfer.throughput)
+        groups = list(transfer.workloads)
         for state in self.states:
             for record in self.log.records(state.task.key, self.fingerprint):
                 if record.ok and record.template_version == state.task.template_version:
