@@ -8,9 +8,11 @@ The renderer follows the loop kinds the schedule chose and decides nothing itsel
   index moves by one per lane becomes a vector load/store, one that does not move becomes a
   scalar broadcast, anything else is assembled lane by lane;
 - a parallel loop is outlined into a worker that Kiln's thread pool (`kiln_parallel`,
-  codegen/kiln_pool.c) runs on the caller and its threads; they take contiguous chunks (a few
-  per thread) from a shared atomic counter, so a thread the OS preempts on a busy machine
-  holds up one chunk, not half the loop, and one it has not started holds up nothing;
+  codegen/kiln_pool.c) runs on the caller and its threads; they claim contiguous chunks (a
+  few per thread, `kiln_claim`), each thread first from its own home range of the loop, so
+  consecutive loops over the same rows keep each row on one core, and a thread the OS
+  preempts on a busy machine holds up one chunk, not half the loop, since the others take
+  over its home;
 - local buffers are stack arrays (LLVM promotes fully unrolled tiles to registers), workspace
   buffers are heap blocks.
 
@@ -66,9 +68,9 @@ from compiler_core.loop.transform import (
 )
 from compiler_core.target import Target
 
-# Chunks per thread of a parallel loop: enough that a preempted thread's share is small and
-# the others take it over, few enough that each chunk is long next to one atomic add.
-CHUNKS_PER_THREAD = 4
+# Home ranges a parallel loop's closure has counters for (kiln_pool.c's KILN_HOMES): one a
+# thread, up to this many threads; more threads share homes.
+POOL_HOMES = 8
 # `llvm.prefetch`'s locality for a `Prefetch`: 2 is x86's prefetcht1 (into L2, not L1: the
 # lines are a later iteration's, and L1 holds the current one's).
 PREFETCH_LOCALITY = 2
@@ -890,21 +892,22 @@ class FunctionEmitter:
             }
         )
         buffers = [buf for buf in scope.buffers if self._uses_buffer(loop.body, buf)]
-        # The last field is the next unclaimed iteration, shared by the threads.
-        fields = [PTR] * len(buffers) + [I64] * len(free_vars) + [I64]
+        # The last field is the loop's claim counters (kiln_pool.c's kiln_claims).
+        claims_type = ir.LiteralStructType([I64, I64, ir.ArrayType(I64, POOL_HOMES)])
+        fields = [PTR] * len(buffers) + [I64] * len(free_vars) + [claims_type]
         closure_type = ir.LiteralStructType(fields)
-        counter_field = I32(len(fields) - 1)
+        claims_field = I32(len(fields) - 1)
 
         self._worker_count += 1
         worker = ir.Function(
             self.module,
-            ir.FunctionType(ir.VoidType(), [PTR]),
+            ir.FunctionType(ir.VoidType(), [PTR, I64]),
             name=f"{self.func.name}.parallel{self._worker_count}",
         )
         worker.linkage = "internal"
         saved_entry = self.entry_builder
         wb = self._worker_prologue(worker)
-        data = worker.args[0]
+        data, index = worker.args
         values, worker_buffers = {}, {}
         for i, buf in enumerate(buffers):
             slot = wb.gep(data, [I32(0), I32(i)], source_etype=closure_type)
@@ -912,20 +915,22 @@ class FunctionEmitter:
         for j, name in enumerate(free_vars):
             slot = wb.gep(data, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
             values[name] = wb.load(slot, typ=I64)
-        threads = wb.sext(wb.call(self._declare("kiln_pool_threads", I32, []), []), I64)
-        slots = wb.mul(threads, I64(CHUNKS_PER_THREAD))
-        chunk = wb.sdiv(wb.add(I64(loop.extent - 1), slots), slots)
-        counter = wb.gep(data, [I32(0), counter_field], source_etype=closure_type)
+        claims = wb.gep(data, [I32(0), claims_field], source_etype=closure_type)
+        # {home, homes visited}: the thread's own home first (kiln_claim).
+        cursor = self.entry_builder.alloca(I64, 2, name="cursor")
+        wb.store(index, cursor)
+        wb.store(I64(0), wb.gep(cursor, [I32(1)], source_etype=I64))
+        stop_slot = self.entry_builder.alloca(I64, name="stop")
+        claim_fn = self._declare("kiln_claim", I64, [PTR, PTR, PTR])
         claim = worker.append_basic_block("claim")
         work = worker.append_basic_block("work")
         done = worker.append_basic_block("done")
         wb.branch(claim)
         wb.position_at_end(claim)
-        start = wb.atomic_rmw("add", counter, chunk, "monotonic")
-        wb.cbranch(wb.icmp_signed("<", start, I64(loop.extent)), work, done)
+        start = wb.call(claim_fn, [claims, cursor, stop_slot])
+        wb.cbranch(wb.icmp_signed(">=", start, I64(0)), work, done)
         wb.position_at_end(work)
-        stop = wb.add(start, chunk)
-        stop = wb.select(wb.icmp_signed("<", stop, I64(loop.extent)), stop, I64(loop.extent))
+        stop = wb.load(stop_slot, typ=I64)
         inner_scope = _Scope(values, worker_buffers)
         serial = dataclasses.replace(loop, kind=ForKind.SERIAL)
         self._counted_loop(wb, inner_scope, serial, start, stop)
@@ -942,7 +947,9 @@ class FunctionEmitter:
         for j, name in enumerate(free_vars):
             slot = b.gep(closure, [I32(0), I32(len(buffers) + j)], source_etype=closure_type)
             b.store(scope.values[name], slot)
-        b.store(I64(0), b.gep(closure, [I32(0), counter_field], source_etype=closure_type))
+        claims = b.gep(closure, [I32(0), claims_field], source_etype=closure_type)
+        init = self._declare("kiln_claims_init", ir.VoidType(), [PTR, I64])
+        b.call(init, [claims, I64(loop.extent)])
         pool = self._declare("kiln_parallel", ir.VoidType(), [PTR, PTR])
         b.call(pool, [worker, closure])
 

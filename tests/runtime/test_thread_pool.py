@@ -1,9 +1,11 @@
 """Kiln's thread pool (codegen/kiln_pool.c), which every kernel library links: parallel loops
 compute the same values at any thread count, from several Python threads at once, and in a
-forked child; the libraries no longer need OpenMP's runtime."""
+forked child; the libraries no longer need OpenMP's runtime; each thread claims its own home
+range of a loop first, and every iteration is claimed exactly once."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 
 from compiler_core import te
 from compiler_core.codegen.llvm import build_module
-from compiler_core.codegen.native import emit_object, link_shared
+from compiler_core.codegen.native import POOL_SOURCE, compiler_driver, emit_object, link_shared
 from compiler_core.loop import interpreter
 from compiler_core.loop.ir import Unary
 from compiler_core.runtime.library import KernelLibrary, default_threads, set_num_threads
@@ -177,3 +179,95 @@ def test_the_thread_count_reaches_the_pool_after_its_first_library_is_gone(libra
     assert result.returncode == 0, result.stderr
     before, after = map(int, result.stdout.split()[-2:])
     assert after == before + 1  # the pool's worker
+
+
+# --- claiming chunks: each thread its own home range first ----------------------------------
+
+HOMES = 8  # kiln_pool.c's KILN_HOMES
+
+
+class Claims(ctypes.Structure):
+    _fields_ = [
+        ("extent", ctypes.c_int64),
+        ("homes", ctypes.c_int64),
+        ("next", ctypes.c_int64 * HOMES),
+    ]
+
+
+@pytest.fixture(scope="module")
+def claims_api(tmp_path_factory):
+    """kiln_pool.c built with its hidden functions exported, to call kiln_claim directly."""
+    out = tmp_path_factory.mktemp("claims") / "claims.so"
+    command = [compiler_driver(), "-O2", "-fPIC", "-shared", "-pthread", "-DHIDDEN="]
+    subprocess.run([*command, str(POOL_SOURCE), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.kiln_claims_init.argtypes = [ctypes.POINTER(Claims), ctypes.c_int64]
+    lib.kiln_claim.argtypes = [
+        ctypes.POINTER(Claims),
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_int64),
+    ]
+    lib.kiln_claim.restype = ctypes.c_int64
+    lib.kiln_pool_set_threads.argtypes = [ctypes.c_int]
+    return lib
+
+
+def claim_all(lib, claims: Claims, index: int) -> list[tuple[int, int]]:
+    """Every chunk one thread claims, in order, until the loop is claimed."""
+    cursor = (ctypes.c_int64 * 2)(index, 0)
+    stop = ctypes.c_int64()
+    chunks = []
+    while (start := lib.kiln_claim(ctypes.byref(claims), cursor, ctypes.byref(stop))) >= 0:
+        chunks.append((start, stop.value))
+    return chunks
+
+
+def covered_once(chunks, extent: int) -> bool:
+    hits = np.zeros(extent, dtype=int)
+    for start, stop in chunks:
+        hits[start:stop] += 1
+    return bool((hits == 1).all())
+
+
+@pytest.mark.parametrize("threads, extent", [(2, 257), (3, 10), (2, 1), (8, 5), (20, 1000)])
+def test_a_thread_claims_its_own_home_first_then_the_rest(claims_api, threads, extent):
+    claims_api.kiln_pool_set_threads(threads)
+    claims = Claims()
+    claims_api.kiln_claims_init(ctypes.byref(claims), extent)
+    homes = min(threads, HOMES, extent)
+    assert claims.homes == homes
+    index = threads - 1
+    chunks = claim_all(claims_api, claims, index)
+    home = index % homes
+    assert chunks[0][0] == home * extent // homes  # its own home's first row
+    assert covered_once(chunks, extent)  # alone, it ends up doing the whole loop
+    assert len(chunks) <= 4 * homes  # a few chunks a home, not one per row
+
+
+def claim_concurrently(lib, claims: Claims, threads: int) -> list[list[tuple[int, int]]]:
+    """Each thread's chunks when `threads` Python threads claim one loop at once."""
+    results: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
+
+    def claimer(index: int) -> None:
+        results[index] = claim_all(lib, claims, index)
+
+    workers = [threading.Thread(target=claimer, args=(k,)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return results
+
+
+def test_two_claimers_share_a_loop_exactly(claims_api):
+    """Concurrent claims (ctypes releases the GIL) cover every iteration exactly once, and
+    each thread's first chunk is its own home's."""
+    claims_api.kiln_pool_set_threads(2)
+    for _ in range(200):
+        claims = Claims()
+        claims_api.kiln_claims_init(ctypes.byref(claims), 1001)
+        first, second = claim_concurrently(claims_api, claims, 2)
+        assert covered_once(first + second, 1001)
+        # A thread starts in its own home unless the other claimed the whole loop first.
+        assert first == [] or first[0][0] < 500
+        assert second == [] or second[0][0] >= 500
