@@ -351,6 +351,10 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         algorithm=chosen,
         strides=strides,
         in_width=x.shape[-2],  # a chained depthwise conv's tile reads rows this wide
+        # What each thread reads in its share, split by rows or by channels (see
+        # schedules.rows_before_channels).
+        input_bytes=math.prod(x.shape) * np.dtype(x.dtype).itemsize,
+        weight_bytes=math.prod(wp.shape) * np.dtype(wp.dtype).itemsize,
     )
     bias = _blocked_bias(ctx, node, m, block)
     if bias is None and row == width:

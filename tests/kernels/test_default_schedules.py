@@ -201,6 +201,9 @@ MODELS = {
     "conv_packed16": lambda: conv_model(8, 16, 1, 3, 1, [1, 1, 1, 1]),
     "conv_packed8_stride2": lambda: conv_model(4, 24, 1, 3, 2, [1, 1, 1, 1]),
     "conv_1x1": lambda: conv_model(16, 32, 1, 1, 1, [0, 0, 0, 0]),
+    # Split among the threads by rows first (16 KB in, 4 KB of weights), by channels first.
+    "conv_1x1_rows_first": lambda: conv_model(64, 16, 1, 1, 1, [0, 0, 0, 0]),
+    "conv_1x1_channels_first": lambda: conv_model(16, 256, 1, 1, 1, [0, 0, 0, 0]),
     "conv_depthwise": lambda: conv_model(16, 16, 16, 3, 1, [1, 1, 1, 1]),
     "conv_packed4_nchw": lambda: conv_model(8, 4, 1, 3, 1, [1, 1, 1, 1]),
     "conv_depthwise_nchw": lambda: conv_model(12, 12, 12, 3, 2, [1, 1, 1, 1]),
@@ -368,3 +371,24 @@ def test_a_blocked_conv_prefetches_its_next_weights_and_old_records_keep_their_m
     assert not prefetches(logged_before)
     depthwise = optimize(import_model(conv_model(16, 16, 16, 3, 1, [1, 1, 1, 1])), target=target)
     assert all("prefetch" not in t.default_config() for t in extract_tasks(depthwise, target))
+
+
+@pytest.mark.parametrize(
+    "name, rows_first",
+    [("conv_1x1_rows_first", True), ("conv_1x1_channels_first", False), ("conv_depthwise", True)],
+)
+def test_a_conv_hands_its_threads_rows_first_when_its_input_outweighs_its_weights(name, rows_first):
+    """Split by rows, each thread reads half the input and all the weights; by output
+    channels, all the input and half the weights: the parallel loop puts first the split
+    that reads less (the values either way: test_default_schedule_keeps_meaning_...)."""
+    from compiler_core.autotune.tasks import extract_tasks
+    from compiler_core.kernels.schedules import rows_before_channels
+
+    target = host_target()
+    graph = optimize(import_model(MODELS[name]()), target=target)
+    (task,) = extract_tasks(graph, target)
+    conv = task.tunable.anchor
+    assert rows_before_channels(conv) is rows_first
+    (parallel,) = [r for r in task.records() if type(r).__name__ == "Parallel"]
+    rows, channels = parallel.loop.index(conv.loop(2)), parallel.loop.index(conv.loop(1))
+    assert (rows < channels) is rows_first, parallel.loop

@@ -195,3 +195,44 @@ def test_a_tile_of_several_blocks_must_fit_the_stack_and_the_accumulators():
     assert tunable.fits({**default, "blocks": 1, "expand_tile": 8})
     with pytest.raises(ValueError, match="does not fit"):
         tunable.check({"blocks": 3, "expand_tile": 8})
+
+
+# --- which the threads split first: rows or channel groups ------------------------------------
+
+
+def parallel_loop(task) -> str:
+    (parallel,) = [r for r in task.records() if type(r).__name__ == "Parallel"]
+    return parallel.loop
+
+
+@pytest.mark.parametrize(
+    "name, model, rows_first",
+    [
+        # 16 channels of 20x20 in (25.6 KB), 9.6 KB of weights: each thread its rows.
+        ("input outweighs weights", lambda: expand_depthwise(size=(20, 20)), True),
+        # 64 channels of 7x7 in (12.5 KB), 112 KB of weights: each thread its channel groups.
+        ("weights outweigh input", lambda: expand_depthwise(c=64, m=384, size=(7, 7)), False),
+    ],
+)
+def test_a_chain_splits_rows_first_when_its_input_outweighs_its_weights(name, model, rows_first):
+    """Split by rows, a thread reads half the input (rows it wrote itself in the kernel
+    before) and all the weights; split by channel groups, all the input and half the
+    weights. Either way the values match ONNX Runtime's."""
+    from compiler_core.kernels.schedules import chain_producer, rows_before_channels
+
+    model = model()
+    graph, _ = chained_groups(model)
+    (task,) = extract_tasks(graph)
+    anchor = task.tunable.anchor
+    assert rows_before_channels(chain_producer(anchor), anchor) is rows_first, name
+    fused = parallel_loop(task)
+    row_tiles, groups = f"{anchor.loop(2)}_o", anchor.loop(1)
+    assert (
+        fused.index(row_tiles) < fused.index(groups)
+        if rows_first
+        else (fused.index(groups) < fused.index(row_tiles))
+    ), fused
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    feeds = {"x": rand(*shape)}
+    module = load(compiler_core.compile(model))
+    assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
