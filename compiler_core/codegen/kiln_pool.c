@@ -176,7 +176,8 @@ static void forget_workers(void) {
 
 static void register_fork_handler(void) { pthread_atfork(0, 0, forget_workers); }
 
-/* Run `fn(data)` on this library's pool: the caller and up to `wanted - 1` workers. */
+/* Run `fn(data, index)` on this library's pool: the caller (index 0) and up to `wanted - 1`
+   workers (1 ..). */
 void kiln_pool_run(kiln_task fn, void *data) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     int threads = atomic_load(&wanted);
