@@ -62,7 +62,8 @@ from tests.conftest import shared_model
 WORKLOADS = (
     ("conv3x3_256_14", "resnet18", None, "Conv 1x16x14x14x16 r16x3x3x16"),
     ("conv3x3_512_7", "resnet18", None, "Conv 1x32x7x7x16 r32x3x3x16"),
-    ("conv1x1_96_576_14", "mobilenet_v2", None, "Conv 1x36x14x14x16 r6x1x1x16"),
+    # The 1x1 project conv of a 14x14 block (its expand conv is chained into the depthwise).
+    ("conv1x1_576_96_14", "mobilenet_v2", None, "Conv 1x6x14x14x16 r36x1x1x16"),
     ("dense_128x256x1024", "encoder4", None, "MatMul 1x128x1024 r256"),
     ("bmm_4x128x128x64", "encoder4", None, "MatMul 1x4x128x128 r64"),
 )

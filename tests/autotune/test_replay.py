@@ -90,3 +90,12 @@ def test_tables_are_timed_again_in_passes_over_every_table(tmp_path, bench_searc
     # fastest (the first pass's timing can make the default the fastest for the second).
     assert sum(r.config_key == default for r in retimed) == 2
     assert len(retimed) in ((3, 4) if len(timed) == 2 else (2,))
+
+
+def test_every_bench_workload_is_a_task_of_the_shared_models(bench_search):
+    """Each workload bench.search measures is still a task of its shared model (the 1x1 expand
+    conv it first named became part of a chained kernel, and the bench stopped at start-up)."""
+    tasks = bench_search.workload_tasks()
+    assert list(tasks) == [slug for slug, *_ in bench_search.WORKLOADS]
+    for slug, _model, _shapes, piece in bench_search.WORKLOADS:
+        assert piece in tasks[slug].workload and len(tasks[slug].space()) > 1, slug
