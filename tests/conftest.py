@@ -132,3 +132,9 @@ def measurement_errors(task, configs: list[dict]) -> list[tuple]:
     return [
         (c, r.error, r.detail) for c, r in zip(configs, results, strict=True) if r.error != "ok"
     ]
+
+
+def parallel_loop(task) -> str:
+    """The loop a task's default schedule runs in parallel (its one `Parallel` record)."""
+    (parallel,) = [r for r in task.records() if type(r).__name__ == "Parallel"]
+    return parallel.loop

@@ -261,12 +261,13 @@ def nchwc_conv_schedule(
         tile_blocks = [paired.inner]
     cache = CacheWrite(conv.name, reduce_loops[0])
     rows_first = bool(rows) and rows_before_channels(conv)
+    # The loops the threads split, outermost first (`rows_before_channels`).
+    split = [*rows, *outer] if rows_first else [*outer, *rows]
     records += [
         Reorder(
             (
                 n_loop,
-                *(rows if rows_first else outer),
-                *(outer if rows_first else rows),
+                *split,
                 pixels.outer,
                 *inner,
                 *reduce_loops,
@@ -285,7 +286,7 @@ def nchwc_conv_schedule(
         records.append(Unroll(taps[-1]))  # the taps along the row
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    spread = [*rows, outer[0]] if rows_first else [outer[0], *rows]
+    spread = list(split)
     chunks = conv.shape[1] // max(chunk, blocks) * math.prod(conv.shape[2 : rank - 2])
     if config["parallel"] == "mo_y_x" or chunks < 4 * target.cores:
         spread.append(pixels.outer)
@@ -1287,20 +1288,22 @@ def nchwc_chain_schedule(
         # A tile of `blocks` channel blocks: the expand conv computes them all for the tile's
         # rows, the depthwise conv then runs block by block.
         group = Split(mo_loop, blocks)
-        if rows_first:
-            records += [group, Reorder((rows.outer, group.outer, group.inner, rows.inner))]
-        else:
-            records += [group, Reorder((group.outer, rows.outer, group.inner, rows.inner))]
+        records.append(group)
         group_loop = group.outer
+    # The two loops the threads split, outermost first; one iteration of the inner one is a
+    # tile (its rows x its group's blocks).
+    split = (rows.outer, group_loop) if rows_first else (group_loop, rows.outer)
+    if blocks > 1:
+        records.append(Reorder((*split, group.inner, rows.inner)))
     elif rows_first:
-        records.append(Reorder((rows.outer, mo_loop)))
+        records.append(Reorder(split))
     # The expand conv's epilogue (bias, activation) in the tile's buffer, then the conv itself
     # before it, in its own buffer until the epilogue folds into its store (below). A tile
     # too big for the stack stays in the group's workspace buffers, indexed by the model's
     # rows: there the epilogue is a pass of its own over the tile.
     epilogue_of_producer = dw.note("producer_epilogue")
     on_stack = _chain_on_stack(dw, int(config["rows"]), blocks)
-    tile_loop = group_loop if rows_first else rows.outer
+    tile_loop = split[1]
     if epilogue_of_producer:
         records.append(ComputeAt(epilogue_of_producer, tile_loop, CHAIN_MAX_TILE_BYTES))
     at = ComputeAt(producer.name, tile_loop, CHAIN_MAX_TILE_BYTES)
@@ -1343,8 +1346,7 @@ def nchwc_chain_schedule(
     records.append(Unroll(taps[-1]))  # the row's taps: its input vectors loaded once
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    order = [n_loop, rows.outer, group_loop] if rows_first else [n_loop, group_loop, rows.outer]
-    fused, parallel = fuse_all(order)
+    fused, parallel = fuse_all([n_loop, *split])
     return [*records, *fused, Parallel(parallel)]
 
 

@@ -15,7 +15,7 @@ from compiler_core.loop import interpreter
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime.library import KernelLibrary
 from compiler_core.target import host_target
-from tests.conftest import FLOAT, make_model
+from tests.conftest import FLOAT, make_model, parallel_loop
 
 RNG = np.random.default_rng(5)
 
@@ -389,6 +389,6 @@ def test_a_conv_hands_its_threads_rows_first_when_its_input_outweighs_its_weight
     (task,) = extract_tasks(graph, target)
     conv = task.tunable.anchor
     assert rows_before_channels(conv) is rows_first
-    (parallel,) = [r for r in task.records() if type(r).__name__ == "Parallel"]
-    rows, channels = parallel.loop.index(conv.loop(2)), parallel.loop.index(conv.loop(1))
-    assert (rows < channels) is rows_first, parallel.loop
+    fused = parallel_loop(task)
+    rows, channels = fused.index(conv.loop(2)), fused.index(conv.loop(1))
+    assert (rows < channels) is rows_first, fused

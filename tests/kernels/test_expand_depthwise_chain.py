@@ -21,6 +21,7 @@ from tests.conftest import (
     make_model,
     measurement_errors,
     one_knob_off_default,
+    parallel_loop,
 )
 
 RNG = np.random.default_rng(5)
@@ -198,11 +199,6 @@ def test_a_tile_of_several_blocks_must_fit_the_stack_and_the_accumulators():
 
 
 # --- which the threads split first: rows or channel groups ------------------------------------
-
-
-def parallel_loop(task) -> str:
-    (parallel,) = [r for r in task.records() if type(r).__name__ == "Parallel"]
-    return parallel.loop
 
 
 @pytest.mark.parametrize(
