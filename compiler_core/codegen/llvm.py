@@ -319,23 +319,22 @@ class FunctionEmitter:
         return True
 
     def _maskable(self, s: IfThenElse, var: str) -> bool:
-        """A lane-dependent guard around one store that, like every load it makes, touches
-        consecutive floats: it becomes a masked store (and masked loads), as the partial last
-        tile of a GEMM's writeback needs, instead of a loop over the lanes."""
+        """A lane-dependent guard around one store of consecutive floats whose loads touch
+        floats a constant stride apart: it becomes a masked store (and masked loads or
+        gathers), as the partial last tile of a GEMM's writeback needs, instead of a loop
+        over the lanes."""
         if s.otherwise is not None or not isinstance(s.then, Store):
             return False
         if any(isinstance(x, Load) for x in walk_exprs(s.cond)):
             return False
         store = s.then
-        if _lane_stride(self._flat_index(store.buffer, store.indices), var) != 1:
+        flat = self._flat_index(store.buffer, store.indices)
+        if _lane_stride(flat, var) != 1 or store.buffer.dtype not in MASKABLE:
             return False
-        accesses = [(store.buffer, store.indices)] + [
-            (x.buffer, x.indices) for x in walk_exprs(store.value) if isinstance(x, Load)
-        ]
-        for buffer, indices in accesses:
-            flat = self._flat_index(buffer, indices)
+        for load in (x for x in walk_exprs(store.value) if isinstance(x, Load)):
+            flat = self._flat_index(load.buffer, load.indices)
             if mentions(flat, var) and (
-                _lane_stride(flat, var) != 1 or buffer.dtype not in MASKABLE
+                _lane_stride(flat, var) is None or load.buffer.dtype not in MASKABLE
             ):
                 return False
         return True
@@ -394,10 +393,13 @@ class FunctionEmitter:
     def _flat_index(self, buffer: Buffer, indices: Sequence[Expr]) -> Expr:
         return flat_index(buffer, indices)
 
-    def _access(self, b, scope: _Scope, buffer: Buffer, indices, strided: bool = False):
+    def _access(
+        self, b, scope: _Scope, buffer: Buffer, indices, strided: bool = False, load: bool = False
+    ):
         """(kind, pointer or per-lane pointers): 'scalar', 'contiguous' or 'lanes', or with
         `strided` (a load outside a masked context) 'stride2'..'stride4' (see
-        `_strided_load`)."""
+        `_strided_load`), or for a `load` of lanes a constant stride apart 'gather' (a vector
+        of pointers)."""
         flat = self._flat_index(buffer, indices)
         base = scope.buffers.get(buffer)
         if base is None:
@@ -415,6 +417,19 @@ class FunctionEmitter:
             start = self._expr(b, lane0, flat)
             kind = "contiguous" if stride == 1 else f"stride{stride}"
             return kind, b.gep(base, [start], source_etype=element)
+        if load and stride is not None and buffer.dtype in MASKABLE:
+            # Lanes a constant stride apart: one gather (AVX-512's vgatherdps; LLVM splits it
+            # into scalar loads where gathers are slow), not a load and an insert per lane
+            # (a transposed read: keys laid out for Q K^T, say).
+            lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
+            lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)
+            start = b.gep(base, [self._expr(b, lane0, flat)], source_etype=element)
+            offsets = ir.Constant(
+                ir.VectorType(I64, scope.lanes), [k * stride for k in range(scope.lanes)]
+            )
+            lanes = b.gep(start, [offsets], source_etype=element)
+            lanes.type = ir.VectorType(PTR, scope.lanes)  # llvmlite types a vector GEP as ptr
+            return "gather", lanes
         pointers = []
         for lane in range(scope.lanes):
             one = dataclasses.replace(
@@ -427,7 +442,9 @@ class FunctionEmitter:
         return "lanes", pointers
 
     def _load(self, b, scope: _Scope, e: Load) -> ir.Value:
-        kind, where = self._access(b, scope, e.buffer, e.indices, strided=scope.mask is None)
+        kind, where = self._access(
+            b, scope, e.buffer, e.indices, strided=scope.mask is None, load=True
+        )
         element = memory_type(e.buffer.dtype)
         if kind == "scalar":
             value = self._from_memory(b, b.load(where, typ=element), e.dtype)
@@ -448,6 +465,18 @@ class FunctionEmitter:
             return self._from_memory(b, loaded, e.dtype)
         if kind.startswith("stride"):
             return self._from_memory(b, self._strided_load(b, scope, e, where, kind), e.dtype)
+        if kind == "gather":
+            mask_type = ir.VectorType(ir.IntType(1), scope.lanes)
+            gather = self._declare(
+                f"llvm.masked.gather.{_suffix(vector_type)}.v{scope.lanes}p0",
+                vector_type,
+                [where.type, I32, mask_type, vector_type],
+            )
+            everywhere = ir.Constant(mask_type, [True] * scope.lanes)
+            mask = everywhere if scope.mask is None else scope.mask
+            align = I32(_align(e.buffer.dtype))
+            loaded = b.call(gather, [where, align, mask, ir.Constant(vector_type, None)])
+            return self._from_memory(b, loaded, e.dtype)
         result = ir.Constant(vector_type, ir.Undefined)
         for lane, pointer in enumerate(where):
             result = b.insert_element(result, b.load(pointer, typ=element), I32(lane))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from compiler_core.graph.ir import Graph
 from compiler_core.graph.verify import verify
 from compiler_core.passes import (
+    clone_shared_views,
     decompose_conv_transpose,
     eliminate_common_subexpressions,
     eliminate_dead_code,
@@ -21,6 +22,7 @@ from compiler_core.passes import (
     fold_constants,
     fuse_operators,
     simplify_inference,
+    simplify_views,
     transform_layout,
 )
 from compiler_core.target import Target, host_target
@@ -47,12 +49,14 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("fold_constants", fold_constants.run),
     ("eliminate_identity", eliminate_identity.run),
     ("simplify_inference", simplify_inference.run),
+    ("simplify_views", simplify_views.run),
     ("fold_constants_again", fold_constants.run),
     ("eliminate_common_subexpressions", eliminate_common_subexpressions.run),
     ("eliminate_identity_again", eliminate_identity.run),
     ("eliminate_dead_code", eliminate_dead_code.run),
     ("decompose_conv_transpose", decompose_conv_transpose.run),
     ("transform_layout", transform_layout.run),
+    ("clone_shared_views", clone_shared_views.run),
     ("fuse_operators", fuse_operators.run),
 )
 

@@ -2,8 +2,8 @@
 
 - BatchNormalization after a Conv or Gemm with constant weights folds into those weights;
   any other BatchNormalization becomes a constant Mul and Add (which fusion then absorbs).
-- Algebraic identities: x*1, x/1, x+0, x-0 (when broadcasting changes nothing),
-  Reshape of Reshape, Transpose of Transpose.
+- Algebraic identities: x*1, x/1, x+0, x-0 (when broadcasting changes nothing). Reshapes and
+  Transposes are simplify_views' business.
 """
 
 from __future__ import annotations
@@ -132,27 +132,6 @@ def _neutral(rw: _Rewriter, node: Node):
     return None
 
 
-def _compose_reshape(rw: _Rewriter, node: Node) -> Node | None:
-    producer = rw.graph.producers.get(node.inputs[0])
-    if producer is None or producer.op != "Reshape" or producer.name in rw.replaced:
-        return None
-    return node.replace(inputs=(producer.inputs[0],))
-
-
-def _compose_transpose(rw: _Rewriter, node: Node) -> Node | None:
-    producer = rw.graph.producers.get(node.inputs[0])
-    if producer is None or producer.op != "Transpose" or producer.name in rw.replaced:
-        return None
-    inner, outer = producer.attr("perm"), node.attr("perm")
-    return node.replace(
-        inputs=(producer.inputs[0],), attrs={"perm": tuple(inner[p] for p in outer)}
-    )
-
-
-# Reshape(Reshape(x)) -> Reshape(x); Transpose(Transpose(x)) -> Transpose(x), perms composed.
-COMPOSERS = {"Reshape": _compose_reshape, "Transpose": _compose_transpose}
-
-
 def run(graph: Graph) -> Graph:
     rw = _Rewriter(graph)
     for node in graph.nodes:
@@ -165,6 +144,4 @@ def run(graph: Graph) -> Graph:
         elif (source := _neutral(rw, node)) is not None:
             rw.removed.add(node.name)
             rw.forward[node.outputs[0]] = source
-        elif node.op in COMPOSERS and (new := COMPOSERS[node.op](rw, node)) is not None:
-            rw.replaced[node.name] = new
     return rw.result()

@@ -238,7 +238,7 @@ def test_a_cropped_register_tile_stores_its_partial_lanes_masked(tmp_path):
 def test_strided_lanes_load_as_one_masked_span_and_a_shuffle(stride, tmp_path):
     """A vector of lanes `stride` apart (a stride-2 window, an im2col column) is one masked
     load of their span, never past the last lane's element (the input ends right there), and
-    a shuffle; stride 5 stays a load per lane."""
+    a shuffle; wider strides are one gather."""
     lanes = TARGET.vector_lanes
     x = te.placeholder((stride * (lanes - 1) + 1,), "float32", "x")
     y = te.compute((lanes,), lambda i: x[i * Const(stride, "int64")] * 2.0, "y")
@@ -246,6 +246,19 @@ def test_strided_lanes_load_as_one_masked_span_and_a_shuffle(stride, tmp_path):
     assert_native_matches_interpreter([func], tmp_path)
     text = str(build_module([func], TARGET))
     assert ("llvm.masked.load" in text) == (stride <= 4)
+    assert ("llvm.masked.gather" in text) == (stride > 4)
+
+
+@pytest.mark.parametrize("columns", [16, 21])
+def test_a_transposed_read_gathers_its_lanes_and_masks_the_tail(columns, tmp_path):
+    """y = x^T, vectorized along y's rows: each vector reads a column of x (lanes a row
+    apart), one gather; a last partial vector gathers only its live lanes."""
+    x = te.placeholder((columns, 24), "float32", "x")
+    y = te.compute((24, columns), lambda i, j: x[j, i], "y")
+    split = Split("y_i1", TARGET.vector_lanes)
+    func = apply(te.lower([x], [y], f"transposed{columns}"), [split, Vectorize("y_i1_i")])
+    assert "llvm.masked.gather" in str(build_module([func], TARGET))
+    assert_native_matches_interpreter([func], tmp_path)
 
 
 def _row_fold(name: str, lanes: int, dtype: str, combine):
