@@ -4,9 +4,14 @@
   any other BatchNormalization becomes a constant Mul and Add (which fusion then absorbs).
 - Algebraic identities: x*1, x/1, x+0, x-0 (when broadcasting changes nothing). Reshapes and
   Transposes are simplify_views' business.
+- GELU as exporters spell it, x * 0.5 * (1 + erf(x / sqrt(2))) in any order of its products,
+  becomes one Gelu node: a single-input elementwise op, which the GEMM before it then takes
+  as its epilogue (the spelled-out form reads x twice, so it stayed a kernel of its own).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -14,6 +19,7 @@ from compiler_core.graph.ir import Graph, NameGenerator, Node, TensorType
 from compiler_core.passes.rewrite import forward_values
 
 NAME = "simplify_inference"
+SQRT_HALF = math.sqrt(0.5)
 
 
 class _Rewriter:
@@ -132,6 +138,64 @@ def _neutral(rw: _Rewriter, node: Node):
     return None
 
 
+def _scalar(rw: _Rewriter, value: str) -> float | None:
+    constant = rw.value(value)
+    if constant is None or constant.size != 1 or constant.dtype.kind != "f":
+        return None
+    return float(constant.reshape(()))
+
+
+def _factors(rw: _Rewriter, value: str, root: bool = False) -> list[str]:
+    """The operands of the tree of Muls that computes `value` (through intermediates no one
+    else reads)."""
+    producer = rw.graph.producers.get(value)
+    if producer is None or producer.op != "Mul" or not (root or rw.single_consumer(value)):
+        return [value]
+    return [f for operand in producer.inputs for f in _factors(rw, operand)]
+
+
+def _producer(rw: _Rewriter, value: str, op: str) -> Node | None:
+    producer = rw.graph.producers.get(value)
+    return producer if producer is not None and producer.op == op else None
+
+
+def _erf_argument_of(rw: _Rewriter, value: str) -> str | None:
+    """x where `value` = 1 + erf(x / sqrt(2)) (or erf(x * sqrt(1/2)), either order)."""
+    add = _producer(rw, value, "Add")
+    if add is None or len(add.inputs) != 2:
+        return None
+    for one, other in (add.inputs, add.inputs[::-1]):
+        erf = _producer(rw, other, "Erf")
+        if _scalar(rw, one) != 1.0 or erf is None:
+            continue
+        scaled = rw.graph.producers.get(erf.inputs[0])
+        if scaled is None or scaled.op not in ("Div", "Mul") or len(scaled.inputs) != 2:
+            return None
+        x, c = scaled.inputs
+        factor = _scalar(rw, c)
+        if factor is None or scaled.op == "Div" and factor == 0.0:
+            return None
+        factor = 1.0 / factor if scaled.op == "Div" else factor
+        return x if abs(factor - SQRT_HALF) <= 1e-6 * SQRT_HALF else None
+    return None
+
+
+def _gelu(rw: _Rewriter, node: Node) -> Node | None:
+    """Gelu(x) for a Mul that computes x * 0.5 * (1 + erf(x / sqrt(2)))."""
+    factors = _factors(rw, node.outputs[0], root=True)
+    constants = [_scalar(rw, f) for f in factors]
+    values = [f for f, c in zip(factors, constants, strict=True) if c is None]
+    scale = float(np.prod([c for c in constants if c is not None]))
+    if len(values) != 2 or abs(scale - 0.5) > 1e-7:
+        return None
+    for x, other in (values, values[::-1]):
+        if _erf_argument_of(rw, other) == x:
+            if rw.types[x] != rw.types[node.outputs[0]]:
+                return None  # a factor broadcast the result: not GELU of x alone
+            return Node("Gelu", node.name, (x,), node.outputs, {"approximate": "none"})
+    return None
+
+
 def run(graph: Graph) -> Graph:
     rw = _Rewriter(graph)
     for node in graph.nodes:
@@ -144,4 +208,6 @@ def run(graph: Graph) -> Graph:
         elif (source := _neutral(rw, node)) is not None:
             rw.removed.add(node.name)
             rw.forward[node.outputs[0]] = source
+        elif node.op == "Mul" and (gelu := _gelu(rw, node)) is not None:
+            rw.replaced[node.name] = gelu
     return rw.result()

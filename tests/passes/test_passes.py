@@ -3,10 +3,14 @@ and has the expected shape (Before/Expected)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
+import compiler_core
 from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.verify import verify
 from compiler_core.passes import (
@@ -18,7 +22,8 @@ from compiler_core.passes import (
 )
 from compiler_core.passes.pipeline import PASS_NAMES, optimize, stages
 from compiler_core.reference import run_graph
-from tests.conftest import FLOAT, make_model, shared_model
+from compiler_core.runtime import load
+from tests.conftest import FLOAT, assert_close_to_scale, make_model, shared_model
 
 RNG = np.random.default_rng(7)
 
@@ -282,3 +287,66 @@ def test_pipeline_stages_can_be_dumped_by_name():
     assert names == ["import", *PASS_NAMES]
     with pytest.raises(ValueError, match="unknown pass"):
         optimize(graph, stop_after="no_such_pass")
+
+
+def gelu_model(spelling: str, half: float = 0.5, scale: float = math.sqrt(2.0)):
+    """MatMul + bias, then GELU spelled out as exporters write it (`spelling` picks the
+    order of the products and the form of the scaling)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        helper.make_node("Add", ["m", "b"], ["h"], name="bias"),
+    ]
+    if spelling == "div":  # PyTorch's nn.GELU: x * 0.5 * (1 + erf(x / sqrt(2)))
+        nodes += [
+            helper.make_node("Div", ["h", "c"], ["d"], name="div"),
+            helper.make_node("Erf", ["d"], ["e"], name="erf"),
+            helper.make_node("Add", ["e", "one"], ["p"], name="plus"),
+            helper.make_node("Mul", ["h", "p"], ["q"], name="mul"),
+            helper.make_node("Mul", ["q", "half"], ["y"], name="half_of"),
+        ]
+        constants = {"c": np.float32(scale)}
+    else:  # 0.5 * x first, erf(x * sqrt(1/2)), 1 on the left
+        nodes += [
+            helper.make_node("Mul", ["half", "h"], ["hx"], name="half_x"),
+            helper.make_node("Mul", ["h", "c"], ["d"], name="scale"),
+            helper.make_node("Erf", ["d"], ["e"], name="erf"),
+            helper.make_node("Add", ["one", "e"], ["p"], name="plus"),
+            helper.make_node("Mul", ["hx", "p"], ["y"], name="mul"),
+        ]
+        constants = {"c": np.float32(1.0 / scale)}
+    return make_model(
+        nodes,
+        [("x", FLOAT, [3, 8])],
+        [("y", FLOAT, [3, 6])],
+        {
+            "w": rand(8, 6),
+            "b": rand(6),
+            "one": np.float32(1.0),
+            "half": np.float32(half),
+            **constants,
+        },
+    )
+
+
+@pytest.mark.parametrize("spelling", ["div", "mul"])
+def test_spelled_out_gelu_becomes_one_node_in_the_gemm_epilogue(spelling):
+    model = gelu_model(spelling)
+    before = import_model(model)
+    after = eliminate_dead_code.run(simplify_inference.run(before))
+    assert after.op_histogram() == {"Add": 1, "Gelu": 1, "MatMul": 1}
+    assert_same_function(before, after)
+    fused = optimize(before)
+    ops = [[fused.node_by_name[n].op for n in g.nodes] for g in fused.groups]
+    assert ops == [["MatMul", "Add", "Gelu"]]
+    module = load(compiler_core.compile(model))
+    feeds = {"x": rand(3, 8)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert_close_to_scale(module.run(feeds)["y"], session.run(["y"], feeds)[0])
+
+
+@pytest.mark.parametrize(("half", "scale"), [(0.4, math.sqrt(2.0)), (0.5, 1.5)])
+def test_a_product_that_is_not_gelu_stays_spelled_out(half, scale):
+    before = import_model(gelu_model("div", half=half, scale=scale))
+    after = eliminate_dead_code.run(simplify_inference.run(before))
+    assert "Gelu" not in after.op_histogram()
+    assert_same_function(before, after)

@@ -205,7 +205,8 @@ def test_encoder_attention_has_no_copy_kernel_before_its_head_split():
     only transposes the projection for the three Gathers."""
     graph = optimize(import_model(str(shared_model("encoder4"))), target=host_target())
     ops = group_ops(graph)
-    assert ops.count(["MatMul", "Add"]) >= 4 * 2  # QKV and linear1 of each layer
+    assert ops.count(["MatMul", "Add"]) == 4  # each layer's QKV projection and its bias
+    assert ops.count(["MatMul", "Add", "Gelu"]) == 4  # and its linear1, bias and GELU
     heads = [g for g in ops if "Gather" in g and "Transpose" in g]
     assert len(heads) == 4 * 3  # Q, K and V of each layer
     assert ["Reshape", "Reshape", "Transpose", "Reshape"] not in ops
