@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 
-from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
+from compiler_core.graph.ir import Graph, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
 from compiler_core.passes import eliminate_common_subexpressions, eliminate_dead_code
+from compiler_core.passes.rewrite import Rewrite
 
 NAME = "hoist_gathers"
 # Elementwise kinds whose operands broadcast numpy-style against the output (the others carry
@@ -42,16 +43,7 @@ def _is_elementwise(op: str) -> bool:
     return OP_TABLE[op].kind <= OpKind.BROADCAST and op not in NOT_NUMPY_BROADCAST
 
 
-class _Round:
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.types = dict(graph.types)
-        self.constants = dict(graph.constants)
-        self.fresh = NameGenerator(graph.names())
-
-    def sole_reader(self, value: str) -> bool:
-        return len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
-
+class _Round(Rewrite):
     def gather(self, value: str, indices: str, axis: int, prefix: str) -> tuple[Node, str]:
         """A Gather of `value`'s `axis` at `indices` (one-dimensional), and its output."""
         out = self.fresh(f"{value}_rows")
@@ -208,7 +200,7 @@ def _hoisted(rw: _Round, gather: Node) -> list[Node] | None:
     if indices not in rw.constants:
         return None
     producer = rw.graph.producers.get(data)
-    if producer is None or not rw.sole_reader(data):
+    if producer is None or not rw.single_consumer(data):
         return None
     move = _through(producer.op)
     if move is None:

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from compiler_core.graph.ir import Graph, Node
+from compiler_core.graph.ir import Graph, NameGenerator, Node
+
+
+class Rewrite:
+    """What a rewriting pass works on: the graph it reads, copies of its types and constants
+    it adds to, and fresh names that collide with none of the graph's."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.types = dict(graph.types)
+        self.constants = dict(graph.constants)
+        self.fresh = NameGenerator(graph.names())
+
+    def single_consumer(self, value: str) -> bool:
+        """Whether one node reads `value` and it is not a graph output."""
+        return len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
 
 
 def rename_inputs(node: Node, mapping: Mapping[str, str]) -> Node:

@@ -15,19 +15,16 @@ import math
 
 import numpy as np
 
-from compiler_core.graph.ir import Graph, NameGenerator, Node, TensorType
-from compiler_core.passes.rewrite import forward_values
+from compiler_core.graph.ir import Graph, Node, TensorType
+from compiler_core.passes.rewrite import Rewrite, forward_values
 
 NAME = "simplify_inference"
 SQRT_HALF = math.sqrt(0.5)
 
 
-class _Rewriter:
+class _Rewriter(Rewrite):
     def __init__(self, graph: Graph):
-        self.graph = graph
-        self.constants = dict(graph.constants)
-        self.types = dict(graph.types)
-        self.fresh = NameGenerator(graph.names())
+        super().__init__(graph)
         self.replaced: dict[str, Node] = {}  # node name -> new node (same position)
         self.removed: set[str] = set()
         self.forward: dict[str, str] = {}
@@ -41,9 +38,6 @@ class _Rewriter:
 
     def value(self, name: str) -> np.ndarray | None:
         return self.constants.get(name) if name else None
-
-    def single_consumer(self, value: str) -> bool:
-        return len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
 
     def result(self) -> Graph:
         nodes = []

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
+from compiler_core.graph.ir import Graph, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
-from compiler_core.passes.rewrite import forward_values
+from compiler_core.passes.rewrite import Rewrite, forward_values
 
 NAME = "simplify_views"
 # Binary ops that commute with a reshape of one operand when the other lies along kept axes.
@@ -25,20 +25,14 @@ ELEMENTWISE_BINARY = ("Add", "Sub", "Mul", "Div")
 MAX_ROUNDS = 32  # each round shortens a chain or moves a Reshape down; real graphs settle in a few
 
 
-class _Round:
+class _Round(Rewrite):
     """One sweep over the nodes; `changed` says whether any rule fired."""
 
     def __init__(self, graph: Graph):
-        self.graph = graph
-        self.types = dict(graph.types)
-        self.constants = dict(graph.constants)
-        self.fresh = NameGenerator(graph.names())
+        super().__init__(graph)
         self.nodes: list[Node] = []
         self.forward: dict[str, str] = {}
         self.changed = False
-
-    def single_consumer(self, value: str) -> bool:
-        return len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
 
     def result(self) -> Graph:
         graph = self.graph.replace(
