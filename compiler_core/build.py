@@ -20,7 +20,7 @@ from compiler_core.codegen import llvm as codegen
 from compiler_core.codegen.native import compile_kernels, emit_object
 from compiler_core.graph.ir import Graph, TensorType
 from compiler_core.kernels import KERNELS, KernelContext, KernelError
-from compiler_core.kernels.schedules import StageInfo, default_schedule
+from compiler_core.kernels.schedules import StageInfo, default_schedule, transposed_read_tiles
 from compiler_core.loop.ir import PrimFunc
 from compiler_core.schedule.primitives import Record, apply
 from compiler_core.target import Target
@@ -159,10 +159,12 @@ def build_group(
     """The group's kernel; `prefix` keeps its symbol apart from other plans' in one library
     (a batch bucket's kernels, say); `choices` as for `lower_group`."""
     lowered = lower_group(graph, group, index, target, choices)
-    if schedule is None:
-        schedule = default_schedule(lowered.stages, target)
-    records = list(schedule)
+    default = schedule is None
+    records = list(default_schedule(lowered.stages, target) if default else schedule)
     func = apply(lowered.func, records)
+    if default and (tiles := transposed_read_tiles(func, target)):
+        records += tiles
+        func = apply(lowered.func, records)
     if prefix:
         func = dataclasses.replace(func, name=prefix + func.name)
     return GroupKernel(

@@ -60,6 +60,7 @@ from compiler_core.loop.ir import (
 from compiler_core.loop.simplify import simplify_expr
 from compiler_core.loop.transform import (
     flat_index,
+    lane_stride,
     mentions,
     stmt_exprs,
     substitute,
@@ -168,26 +169,6 @@ MASKABLE = ("float16", "float32", "float64")
 # Lane strides loaded as one masked load of their span and a shuffle (wider strides waste
 # more of the span than the scalar loads they replace cost).
 STRIDED_LOAD_STRIDES = (2, 3, 4)
-
-
-def _lane_stride(e: Expr, var: str) -> int | None:
-    """c when `e` is c * var plus terms that do not depend on var (those may be anything:
-    a fused loop's floordiv and mod, say), else None."""
-    if not mentions(e, var):
-        return 0
-    if isinstance(e, Var):
-        return 1
-    if isinstance(e, Binary) and e.op in ("add", "sub"):
-        a, b = _lane_stride(e.a, var), _lane_stride(e.b, var)
-        if a is None or b is None:
-            return None
-        return a + b if e.op == "add" else a - b
-    if isinstance(e, Binary) and e.op == "mul":
-        for side, other in ((e.a, e.b), (e.b, e.a)):
-            if isinstance(other, Const) and other.dtype == INDEX:
-                inner = _lane_stride(side, var)
-                return None if inner is None else inner * int(other.value)
-    return None
 
 
 @dataclasses.dataclass
@@ -329,12 +310,12 @@ class FunctionEmitter:
             return False
         store = s.then
         flat = self._flat_index(store.buffer, store.indices)
-        if _lane_stride(flat, var) != 1 or store.buffer.dtype not in MASKABLE:
+        if lane_stride(flat, var) != 1 or store.buffer.dtype not in MASKABLE:
             return False
         for load in (x for x in walk_exprs(store.value) if isinstance(x, Load)):
             flat = self._flat_index(load.buffer, load.indices)
             if mentions(flat, var) and (
-                _lane_stride(flat, var) is None or load.buffer.dtype not in MASKABLE
+                lane_stride(flat, var) is None or load.buffer.dtype not in MASKABLE
             ):
                 return False
         return True
@@ -410,7 +391,7 @@ class FunctionEmitter:
             # would otherwise come back splat across the lanes and make the address a vector.
             scalar = dataclasses.replace(scope, lanes=1, vector_var=None, mask=None)
             return "scalar", b.gep(base, [self._expr(b, scalar, flat)], source_etype=element)
-        stride = _lane_stride(flat, scope.vector_var)
+        stride = lane_stride(flat, scope.vector_var)
         if stride == 1 or (strided and stride in STRIDED_LOAD_STRIDES and buffer.dtype in MASKABLE):
             lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
             lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)

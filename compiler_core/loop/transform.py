@@ -99,6 +99,26 @@ def flat_index(buffer: Buffer, indices: Sequence[Expr]) -> Expr:
     return flat
 
 
+def lane_stride(e: Expr, var: str) -> int | None:
+    """c when `e` is c * var plus terms that do not depend on var (those may be anything:
+    a fused loop's floordiv and mod, say), else None."""
+    if not mentions(e, var):
+        return 0
+    if isinstance(e, Var):
+        return 1
+    if isinstance(e, Binary) and e.op in ("add", "sub"):
+        a, b = lane_stride(e.a, var), lane_stride(e.b, var)
+        if a is None or b is None:
+            return None
+        return a + b if e.op == "add" else a - b
+    if isinstance(e, Binary) and e.op == "mul":
+        for side, other in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(other, Const) and other.dtype == INDEX:
+                inner = lane_stride(side, var)
+                return None if inner is None else inner * int(other.value)
+    return None
+
+
 def loads_of(s: Stmt, buffer: Buffer) -> list[Load]:
     found = []
     for stmt in walk_stmts(s):

@@ -234,6 +234,9 @@ MODELS = {
     "layer_norm": layer_norm_model,
     "elementwise": lambda: single("Sigmoid", [4, 32]),
     "injective": injective_model,
+    # Keys laid out for Q K^T: a column of the input per vector, tiled by transposed_read_tiles.
+    "transposed": lambda: single("Transpose", [64, 2, 48], [2, 48, 64], perm=[1, 2, 0]),
+    "transposed_ragged": lambda: single("Transpose", [40, 2, 24], [2, 24, 40], perm=[1, 2, 0]),
 }
 
 
@@ -392,3 +395,23 @@ def test_a_conv_hands_its_threads_rows_first_when_its_input_outweighs_its_weight
     fused = parallel_loop(task)
     rows, channels = fused.index(conv.loop(2)), fused.index(conv.loop(1))
     assert (rows < channels) is rows_first, fused
+
+
+@pytest.mark.parametrize(
+    ("shape", "tiled"),
+    [([64, 2, 48], True), ([16, 2, 48], False), ([64, 2, 8], False), ([40, 2, 48], False)],
+)
+def test_a_transposing_copy_reads_its_columns_a_tile_of_rows_at_a_time(shape, tiled):
+    """y[h, d, s] = x[s, h, d] (keys laid out for Q K^T): each vector along s gathers a
+    column of x. With 64 values of s and 48 of d, the loop over d (x's rows, contiguous) is
+    split by the vector width and its inner part put just outside the vector loop; with one
+    vector of s, rows of x too short to gather across lines, or a ragged s, nothing is added."""
+    model = single("Transpose", shape, [shape[1], shape[2], shape[0]], perm=[1, 2, 0])
+    graph = optimize(import_model(model))
+    kernel = build_group(graph, graph.groups[0], 0, host_target())
+    added = [r for r in kernel.schedule if type(r).__name__ == "Reorder"]
+    assert bool(added) == tiled, kernel.schedule
+    if tiled:
+        split = [r for r in kernel.schedule if type(r).__name__ == "Split"][-1]
+        assert split.loop.endswith("_i1")  # d, the loop along x's rows, not s
+        assert added[-1].loops[-2] == split.inner  # just outside the vector loop
