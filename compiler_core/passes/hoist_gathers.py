@@ -23,24 +23,15 @@ from __future__ import annotations
 
 import math
 
-from compiler_core.graph.ir import Graph, Node, OpKind, TensorType
+from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.graph.ops import OP_TABLE
 from compiler_core.passes import eliminate_common_subexpressions, eliminate_dead_code
-from compiler_core.passes.rewrite import Rewrite
+from compiler_core.passes.rewrite import Rewrite, is_elementwise
 
 NAME = "hoist_gathers"
-# Elementwise kinds whose operands broadcast numpy-style against the output (the others carry
-# an axis attribute or change shape).
-NOT_NUMPY_BROADCAST = frozenset(
-    {"BatchNormalization", "DequantizeLinear", "QuantizeLinear", "Expand"}
-)
 ROW_NORMALIZERS = ("LayerNormalization",)  # normalize axes axis.. end
 ONE_AXIS_NORMALIZERS = ("Softmax", "LogSoftmax", "Hardmax")  # along `axis` alone
 MAX_ROUNDS = 256  # each round moves every movable Gather up one op
-
-
-def _is_elementwise(op: str) -> bool:
-    return OP_TABLE[op].kind <= OpKind.BROADCAST and op not in NOT_NUMPY_BROADCAST
 
 
 class _Round(Rewrite):
@@ -182,7 +173,7 @@ def _through_reshape(rw, producer, gather, axis) -> list[Node] | None:
 
 
 def _through(op: str):
-    if _is_elementwise(op):
+    if is_elementwise(op):
         return _through_elementwise
     if op in ROW_NORMALIZERS or op in ONE_AXIS_NORMALIZERS:
         return _through_normalizer

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from compiler_core.graph.ir import Graph, NameGenerator, Node
+from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind
+from compiler_core.graph.ops import OP_TABLE
+
+# Elementwise kinds whose operands do not broadcast numpy-style against the output (they carry
+# an axis attribute or change the shape).
+NOT_NUMPY_BROADCAST = frozenset(
+    {"BatchNormalization", "DequantizeLinear", "QuantizeLinear", "Expand"}
+)
+
+
+def is_elementwise(op: str) -> bool:
+    """Whether `op` computes each output element from the same element of its operands,
+    broadcast numpy-style (Add, Relu, Where, Clip...)."""
+    return OP_TABLE[op].kind <= OpKind.BROADCAST and op not in NOT_NUMPY_BROADCAST
 
 
 class Rewrite:

@@ -17,11 +17,10 @@ import numpy as np
 
 from compiler_core.graph.ir import Graph, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
-from compiler_core.passes.rewrite import Rewrite, forward_values
+from compiler_core.passes import eliminate_dead_code
+from compiler_core.passes.rewrite import Rewrite, forward_values, is_elementwise
 
 NAME = "simplify_views"
-# Binary ops that commute with a reshape of one operand when the other lies along kept axes.
-ELEMENTWISE_BINARY = ("Add", "Sub", "Mul", "Div")
 MAX_ROUNDS = 32  # each round shortens a chain or moves a Reshape down; real graphs settle in a few
 
 
@@ -95,59 +94,126 @@ def _constant_along_kept_axes(rw: _Round, other: str, source: TensorType, out: T
 
 
 def _written_by_anchor(rw: _Round, value: str) -> bool:
-    """Whether a GEMM, MatMul or conv writes `value`: an op that takes elementwise epilogues.
-    (Sinking toward it only: the residual's side must not pull the Reshape back.)"""
+    """Whether a GEMM, MatMul or conv writes `value`: an op that takes elementwise epilogues."""
     producer = rw.graph.producers.get(value)
     return producer is not None and OP_TABLE[producer.op].kind == OpKind.OUT_ELEMWISE_FUSABLE
 
 
-def _sink_reshape(rw: _Round, node: Node) -> list[Node] | None:
-    """op(Reshape(x), y) -> Reshape(op(x, y')) where y' is y laid out like x: for a constant
-    `y` that varies only along the trailing axes the Reshape keeps (a bias), or a `y` of the
-    result's whole shape where a GEMM or conv wrote x (a residual, reshaped like x). The op
-    then joins the epilogue of whatever wrote x."""
-    if len(node.inputs) != 2:
-        return None
-    for position, value in enumerate(node.inputs):
-        producer = rw.graph.producers.get(value)
-        if producer is None or producer.op != "Reshape" or not rw.single_consumer(value):
-            continue
-        other, source = node.inputs[1 - position], producer.inputs[0]
-        source_type, out_type = rw.types[source], rw.types[node.outputs[0]]
-        if out_type.shape != rw.types[value].shape or source_type.dtype != out_type.dtype:
-            continue
-        added: list[Node] = []
-        if other in rw.constants:
-            constant = _constant_along_kept_axes(rw, other, source_type, out_type)
+def _laid_out(rw: _Round, node: Node, position: int, source: TensorType, out: TensorType):
+    """The operands of elementwise `node` with its Reshape at `position` replaced by the
+    Reshape's source and every other operand laid out like that source, plus the nodes that
+    takes; None where an operand cannot be: a constant must vary only along the trailing axes
+    the Reshape keeps (a bias), a value must be a Reshape of the same shape (a residual that
+    was reshaped too) or, where a GEMM or conv wrote the source and none wrote the value, of
+    the result's whole shape (reshaped like the source: the op joins that GEMM's epilogue)."""
+    operands, added = [], []
+    sunk = rw.graph.producers[node.inputs[position]].inputs[0]
+    for k, value in enumerate(node.inputs):
+        if k == position:
+            operands.append(sunk)
+        elif not value:
+            operands.append(value)
+        elif value in rw.constants:
+            constant = _constant_along_kept_axes(rw, value, source, out)
             if constant is None:
-                continue
-            laid_out = rw.fresh(f"{other}_as_{constant.ndim}d")
+                return None, []
+            laid_out = rw.fresh(f"{value}_as_{constant.ndim}d")
             rw.constants[laid_out] = constant
             rw.types[laid_out] = TensorType.of(constant)
-        elif rw.types[other].shape == out_type.shape and _written_by_anchor(rw, source):
-            laid_out = rw.fresh(f"{other}_reshaped")
-            rw.types[laid_out] = TensorType(source_type.shape, rw.types[other].dtype)
-            added.append(
-                _reshape(rw.fresh(f"{node.name}_operand"), other, laid_out, source_type.shape)
-            )
+            operands.append(laid_out)
+        elif (reshaped := _reshaped_input(rw, value)) and rw.types[reshaped].shape == source.shape:
+            operands.append(reshaped)
+        elif (
+            rw.types[value].shape == out.shape
+            and _written_by_anchor(rw, sunk)
+            and not _written_by_anchor(rw, value)  # else the other side's pulls it back
+        ):
+            laid_out = rw.fresh(f"{value}_reshaped")
+            rw.types[laid_out] = TensorType(source.shape, rw.types[value].dtype)
+            added.append(_reshape(rw.fresh(f"{node.name}_operand"), value, laid_out, source.shape))
+            operands.append(laid_out)
         else:
+            return None, []
+    return operands, added
+
+
+def _reshaped_input(rw: _Round, value: str) -> str | None:
+    """The source of the Reshape that writes `value`. Its other readers, if any, keep reading
+    the Reshape until they sink it too (a view costs nothing to keep for them)."""
+    producer = rw.graph.producers.get(value)
+    if producer is None or producer.op != "Reshape" or value in rw.graph.outputs:
+        return None
+    return producer.inputs[0]
+
+
+def _below(rw: _Round, node: Node, inputs, shape, **attrs) -> list[Node]:
+    """`node` on `inputs` (laid out like a Reshape's source), writing `shape`, then a Reshape
+    to its old output."""
+    result = rw.types[node.outputs[0]]
+    inner = rw.fresh(f"{node.outputs[0]}_unreshaped")
+    rw.types[inner] = TensorType(tuple(shape), result.dtype)
+    moved = node.replace(inputs=tuple(inputs), outputs=(inner, *node.outputs[1:]))
+    if attrs:
+        moved = moved.replace(attrs={**dict(moved.attrs), **attrs})
+    reshape = _reshape(rw.fresh(f"{node.name}_reshape"), inner, node.outputs[0], result.shape)
+    return [moved, reshape]
+
+
+def _sink_reshape(rw: _Round, node: Node) -> list[Node] | None:
+    """op(Reshape(x), y, ...) -> Reshape(op(x, y', ...)) for an elementwise op whose other
+    operands can be laid out like x (see `_laid_out`): the op then joins the epilogue of
+    whatever wrote x, and a chain of such ops carries the Reshape to its end."""
+    if not is_elementwise(node.op) or len(node.outputs) != 1:
+        return None
+    out = rw.types[node.outputs[0]]
+    for position, value in enumerate(node.inputs):
+        source = _reshaped_input(rw, value) if value else None
+        if source is None or out.shape != rw.types[value].shape:
             continue
-        inner = rw.fresh(f"{node.outputs[0]}_unreshaped")
-        rw.types[inner] = TensorType(source_type.shape, out_type.dtype)
-        operands = [source, laid_out] if position == 0 else [laid_out, source]
-        return [
-            *added,
-            node.replace(inputs=tuple(operands), outputs=(inner,)),
-            _reshape(rw.fresh(f"{node.name}_reshape"), inner, node.outputs[0], out_type.shape),
-        ]
+        operands, added = _laid_out(rw, node, position, rw.types[source], out)
+        if operands is not None:
+            return [*added, *_below(rw, node, operands, rw.types[source].shape)]
     return None
 
 
-# op -> the rules tried on a node of that op, in order; the first that applies rewrites it.
+def _sink_into_rows(rw: _Round, node: Node) -> list[Node] | None:
+    """LayerNorm(Reshape(x)) -> Reshape(LayerNorm(x)) when the Reshape keeps the normalized
+    trailing axes (Softmax likewise along its last axis)."""
+    source = _reshaped_input(rw, node.inputs[0])
+    if source is None or any(node.outputs[1:]):
+        return None
+    shape, kept = rw.types[node.inputs[0]].shape, rw.types[source].shape
+    axis = int(node.attr("axis", -1)) % len(shape)
+    if node.op != "LayerNormalization" and axis != len(shape) - 1:
+        return None
+    normalized = len(shape) - axis
+    if _kept_suffix(kept, shape) < normalized:
+        return None
+    inputs = (source, *node.inputs[1:])
+    return _below(rw, node, inputs, kept, axis=len(kept) - normalized)
+
+
+def _sink_into_matmul(rw: _Round, node: Node) -> list[Node] | None:
+    """MatMul(Reshape(x), B) -> Reshape(MatMul(x, B)) for a matrix x and a matrix B: rows of
+    x in, rows out, one GEMM (never a batch of one-row products)."""
+    source = _reshaped_input(rw, node.inputs[0])
+    if source is None or rw.types[source].rank != 2 or rw.types[node.inputs[1]].rank != 2:
+        return None
+    if rw.types[source].shape[-1] != rw.types[node.inputs[0]].shape[-1]:
+        return None
+    rows, columns = rw.types[source].shape[0], rw.types[node.outputs[0]].shape[-1]
+    return _below(rw, node, (source, node.inputs[1]), (rows, columns))
+
+
+# op -> the rules tried on a node of that op, in order; the first that applies rewrites it
+# (every elementwise op: `_sink_reshape`).
 RULES = {
     "Reshape": (_compose_reshape,),
     "Transpose": (_compose_transpose, _transpose_as_reshape),
-    **{op: (_sink_reshape,) for op in ELEMENTWISE_BINARY},
+    "LayerNormalization": (_sink_into_rows,),
+    "Softmax": (_sink_into_rows,),
+    "LogSoftmax": (_sink_into_rows,),
+    "MatMul": (_sink_into_matmul,),
 }
 
 
@@ -157,7 +223,7 @@ def _sweep(graph: Graph) -> tuple[Graph, bool]:
         # Rules read the round's input graph and remove no value, so the rewrites of one
         # round stay valid together; a chain they shorten is looked at again next round.
         replacement = None
-        for rule in RULES.get(node.op, ()):
+        for rule in RULES.get(node.op, (_sink_reshape,) if is_elementwise(node.op) else ()):
             replacement = rule(rw, node)
             if replacement is not None:
                 rw.changed = True
@@ -171,4 +237,4 @@ def run(graph: Graph) -> Graph:
         graph, changed = _sweep(graph)
         if not changed:
             break
-    return graph
+    return eliminate_dead_code.run(graph)  # the views the rewrites left unread
