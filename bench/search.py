@@ -64,7 +64,8 @@ WORKLOADS = (
     ("conv3x3_512_7", "resnet18", None, "Conv 1x32x7x7x16 r32x3x3x16"),
     # The 1x1 project conv of a 14x14 block (its expand conv is chained into the depthwise).
     ("conv1x1_576_96_14", "mobilenet_v2", None, "Conv 1x6x14x14x16 r36x1x1x16"),
-    ("dense_128x256x1024", "encoder4", None, "MatMul 1x128x1024 r256"),
+    # linear1 with its bias and GELU (a 2-D GEMM since the Reshapes around a layer sink away).
+    ("dense_128x256x1024", "encoder4", None, "MatMul 128x1024 r256"),
     ("bmm_4x128x128x64", "encoder4", None, "MatMul 1x4x128x128 r64"),
 )
 GOAL = 0.95  # of the best GFLOP/s in the table (issue 9's criterion; --goal changes it)
