@@ -399,7 +399,7 @@ class FunctionEmitter:
             kind = "contiguous" if stride == 1 else f"stride{stride}"
             return kind, b.gep(base, [start], source_etype=element)
         if load and stride is not None and buffer.dtype in MASKABLE:
-            # Lanes a constant stride apart: one gather (AVX-512's vgatherdps; LLVM splits it
+            # Lanes a constant stride apart: one gather (AVX-512's vgather; LLVM splits it
             # into scalar loads where gathers are slow), not a load and an insert per lane
             # (a transposed read: keys laid out for Q K^T, say).
             lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})

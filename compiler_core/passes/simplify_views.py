@@ -3,10 +3,14 @@
 - Reshape of Reshape composes; so does Transpose of Transpose (perms composed).
 - A Transpose that moves only axes of size 1 keeps every element where it was: a Reshape.
   (PyTorch's batch-first attention swaps the batch and sequence axes of [1, S, E] tensors.)
-- A Reshape sinks below an elementwise op whose other operand is a constant laid along
-  axes the Reshape keeps: `Add(Reshape(x), bias)` becomes `Reshape(Add(x, bias))`, so the
-  bias joins the epilogue of the GEMM or conv that wrote `x` (a batched MatMul is a GEMM
-  between two Reshapes since import).
+- A Reshape sinks below the row-wise op that reads it, so that it ends up where it meets its
+  inverse (and both go) or a graph output: below an elementwise op whose other operands can be
+  laid out like the Reshape's source (a bias along kept axes, a residual reshaped the same
+  way, or a residual of the result's shape where a GEMM wrote the source: `Add(Reshape(g),
+  bias)` becomes `Reshape(Add(g, bias))`, and the Add joins the GEMM's epilogue), below a
+  LayerNorm or Softmax whose normalized axes it keeps, and below a MatMul of a matrix by a
+  matrix. PyTorch's encoder layers, exported as [1, S, E] tensors around 2-D GEMMs (a batched
+  MatMul is a GEMM between two Reshapes since import), then run on [S, E] end to end.
 
 Each rewrite keeps the graph's function; the pass repeats until none applies.
 """
@@ -121,7 +125,11 @@ def _laid_out(rw: _Round, node: Node, position: int, source: TensorType, out: Te
             rw.constants[laid_out] = constant
             rw.types[laid_out] = TensorType.of(constant)
             operands.append(laid_out)
-        elif (reshaped := _reshaped_input(rw, value)) and rw.types[reshaped].shape == source.shape:
+        elif (
+            (reshaped := _reshaped_input(rw, value))
+            and rw.types[reshaped].shape == source.shape
+            and rw.types[value].shape == out.shape
+        ):
             operands.append(reshaped)
         elif (
             rw.types[value].shape == out.shape
