@@ -99,3 +99,18 @@ def test_every_bench_workload_is_a_task_of_the_shared_models(bench_search):
     assert list(tasks) == [slug for slug, *_ in bench_search.WORKLOADS]
     for slug, _model, _shapes, piece in bench_search.WORKLOADS:
         assert piece in tasks[slug].workload and len(tasks[slug].space()) > 1, slug
+
+
+def test_a_transfer_seed_whose_defaults_meet_the_bound_says_nothing():
+    """bench.transfer: a seed where the cold session is at 95% of the final quality before
+    its first trial has no warm/cold ratio (0 / 0 read as 0.00 passed issue 9's <= 0.5 by
+    saying nothing); the median is over the seeds that have one."""
+    before = dict(os.environ)
+    transfer = importlib.import_module("bench.transfer")
+    os.environ.clear()
+    os.environ.update(before)
+    seeds = [{"speed": {"cold": 0, "warm": 0}}, {"speed": {"cold": 12, "warm": 6}}]
+    assert transfer.trials_ratio(seeds[0]["speed"]) is None
+    assert transfer.trials_ratio({"cold": 0, "warm": 3}) == float("inf")  # warm fell behind
+    assert transfer.median_ratio({"seeds": seeds}, "speed") == "0.50 (1 of 2 seeds)"
+    assert transfer.median_ratio({"seeds": seeds[:1]}, "speed").startswith("n/a")
