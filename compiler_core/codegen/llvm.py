@@ -392,19 +392,19 @@ class FunctionEmitter:
             scalar = dataclasses.replace(scope, lanes=1, vector_var=None, mask=None)
             return "scalar", b.gep(base, [self._expr(b, scalar, flat)], source_etype=element)
         stride = lane_stride(flat, scope.vector_var)
-        if stride == 1 or (strided and stride in STRIDED_LOAD_STRIDES and buffer.dtype in MASKABLE):
+
+        def first_lane():  # the address of lane 0's element
             lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
             lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)
-            start = self._expr(b, lane0, flat)
-            kind = "contiguous" if stride == 1 else f"stride{stride}"
-            return kind, b.gep(base, [start], source_etype=element)
+            return b.gep(base, [self._expr(b, lane0, flat)], source_etype=element)
+
+        if stride == 1 or (strided and stride in STRIDED_LOAD_STRIDES and buffer.dtype in MASKABLE):
+            return ("contiguous" if stride == 1 else f"stride{stride}"), first_lane()
         if load and stride is not None and buffer.dtype in MASKABLE:
             # Lanes a constant stride apart: one gather (AVX-512's vgather; LLVM splits it
             # into scalar loads where gathers are slow), not a load and an insert per lane
             # (a transposed read: keys laid out for Q K^T, say).
-            lane0 = dataclasses.replace(scope, values={**scope.values, scope.vector_var: I64(0)})
-            lane0 = dataclasses.replace(lane0, lanes=1, vector_var=None)
-            start = b.gep(base, [self._expr(b, lane0, flat)], source_etype=element)
+            start = first_lane()
             offsets = ir.Constant(
                 ir.VectorType(I64, scope.lanes), [k * stride for k in range(scope.lanes)]
             )

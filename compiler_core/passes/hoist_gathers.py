@@ -25,8 +25,9 @@ import math
 
 from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.graph.ops import OP_TABLE
+from compiler_core.graph.ops.base import normalize_axis
 from compiler_core.passes import eliminate_common_subexpressions, eliminate_dead_code
-from compiler_core.passes.rewrite import Rewrite, is_elementwise
+from compiler_core.passes.rewrite import Rewrite, is_elementwise, reshape_node
 
 NAME = "hoist_gathers"
 ROW_NORMALIZERS = ("LayerNormalization",)  # normalize axes axis.. end
@@ -55,15 +56,12 @@ class _Round(Rewrite):
 
 
 def _axis(node: Node, rank: int, default: int) -> int:
-    axis = int(node.attr("axis", default))
-    return axis + rank if axis < 0 else axis
+    return normalize_axis(int(node.attr("axis", default)), rank, node)
 
 
 def _one_dimensional(rw: _Round, gather: Node) -> list[Node] | None:
     """Gather(x, scalar i) -> Reshape(Gather(x, [i])): the form that moves."""
     indices = gather.inputs[1]
-    if rw.constants[indices].ndim != 0:
-        return None
     listed = rw.fresh(f"{indices}_listed")
     rw.constants[listed] = rw.constants[indices].reshape(1)
     rw.types[listed] = TensorType.of(rw.constants[listed])
@@ -71,10 +69,7 @@ def _one_dimensional(rw: _Round, gather: Node) -> list[Node] | None:
     axis = _axis(gather, rw.types[data].rank, 0)
     picked, out = rw.gather(data, listed, axis, gather.name)
     result = gather.outputs[0]
-    shape = rw.types[result].shape
-    drop = Node(
-        "Reshape", rw.fresh(f"{gather.name}_drop_axis"), (out,), (result,), {"shape": shape}
-    )
+    drop = reshape_node(rw.fresh(f"{gather.name}_drop_axis"), out, result, rw.types[result].shape)
     return [picked, drop]
 
 
@@ -165,11 +160,8 @@ def _through_reshape(rw, producer, gather, axis) -> list[Node] | None:
     if own is None:
         return None
     node, picked = rw.gather(producer.inputs[0], gather.inputs[1], own, gather.name)
-    shape = rw.types[gather.outputs[0]].shape
-    moved = producer.replace(
-        name=rw.fresh(producer.name), inputs=(picked,), outputs=(gather.outputs[0],)
-    )
-    return [node, moved.replace(attrs={**dict(moved.attrs), "shape": tuple(shape)})]
+    shape = tuple(rw.types[gather.outputs[0]].shape)
+    return [node, rw.retyped(producer, (picked,), gather.outputs[0], shape=shape)]
 
 
 def _through(op: str):

@@ -20,6 +20,11 @@ def is_elementwise(op: str) -> bool:
     return OP_TABLE[op].kind <= OpKind.BROADCAST and op not in NOT_NUMPY_BROADCAST
 
 
+def reshape_node(name: str, source: str, output: str, shape) -> Node:
+    """A Reshape of `source` to the static `shape`, writing `output`."""
+    return Node("Reshape", name, (source,), (output,), {"shape": tuple(int(d) for d in shape)})
+
+
 class Rewrite:
     """What a rewriting pass works on: the graph it reads, copies of its types and constants
     it adds to, and fresh names that collide with none of the graph's."""

@@ -21,8 +21,9 @@ import numpy as np
 
 from compiler_core.graph.ir import Graph, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
+from compiler_core.graph.ops.base import normalize_axis
 from compiler_core.passes import eliminate_dead_code
-from compiler_core.passes.rewrite import Rewrite, forward_values, is_elementwise
+from compiler_core.passes.rewrite import Rewrite, is_elementwise, reshape_node
 
 NAME = "simplify_views"
 MAX_ROUNDS = 32  # each round shortens a chain or moves a Reshape down; real graphs settle in a few
@@ -34,18 +35,12 @@ class _Round(Rewrite):
     def __init__(self, graph: Graph):
         super().__init__(graph)
         self.nodes: list[Node] = []
-        self.forward: dict[str, str] = {}
         self.changed = False
 
     def result(self) -> Graph:
-        graph = self.graph.replace(
+        return self.graph.replace(
             nodes=tuple(self.nodes), types=self.types, constants=self.constants
         )
-        return forward_values(graph, graph.nodes, self.forward) if self.forward else graph
-
-
-def _reshape(name: str, source: str, output: str, shape) -> Node:
-    return Node("Reshape", name, (source,), (output,), {"shape": tuple(int(d) for d in shape)})
 
 
 def _compose_reshape(rw: _Round, node: Node) -> list[Node] | None:
@@ -72,7 +67,7 @@ def _transpose_as_reshape(rw: _Round, node: Node) -> list[Node] | None:
     if moved != sorted(moved):
         return None
     out_shape = rw.types[node.outputs[0]].shape
-    return [_reshape(node.name, node.inputs[0], node.outputs[0], out_shape)]
+    return [reshape_node(node.name, node.inputs[0], node.outputs[0], out_shape)]
 
 
 def _kept_suffix(source: tuple[int, ...], reshaped: tuple[int, ...]) -> int:
@@ -138,7 +133,9 @@ def _laid_out(rw: _Round, node: Node, position: int, source: TensorType, out: Te
         ):
             laid_out = rw.fresh(f"{value}_reshaped")
             rw.types[laid_out] = TensorType(source.shape, rw.types[value].dtype)
-            added.append(_reshape(rw.fresh(f"{node.name}_operand"), value, laid_out, source.shape))
+            added.append(
+                reshape_node(rw.fresh(f"{node.name}_operand"), value, laid_out, source.shape)
+            )
             operands.append(laid_out)
         else:
             return None, []
@@ -163,7 +160,7 @@ def _below(rw: _Round, node: Node, inputs, shape, **attrs) -> list[Node]:
     moved = node.replace(inputs=tuple(inputs), outputs=(inner, *node.outputs[1:]))
     if attrs:
         moved = moved.replace(attrs={**dict(moved.attrs), **attrs})
-    reshape = _reshape(rw.fresh(f"{node.name}_reshape"), inner, node.outputs[0], result.shape)
+    reshape = reshape_node(rw.fresh(f"{node.name}_reshape"), inner, node.outputs[0], result.shape)
     return [moved, reshape]
 
 
@@ -191,7 +188,7 @@ def _sink_into_rows(rw: _Round, node: Node) -> list[Node] | None:
     if source is None or any(node.outputs[1:]):
         return None
     shape, kept = rw.types[node.inputs[0]].shape, rw.types[source].shape
-    axis = int(node.attr("axis", -1)) % len(shape)
+    axis = normalize_axis(int(node.attr("axis", -1)), len(shape), node)
     if node.op != "LayerNormalization" and axis != len(shape) - 1:
         return None
     normalized = len(shape) - axis
