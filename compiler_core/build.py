@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -19,7 +20,7 @@ from compiler_core import te
 from compiler_core.codegen import llvm as codegen
 from compiler_core.codegen.native import compile_kernels, emit_object
 from compiler_core.graph.ir import Graph, TensorType
-from compiler_core.kernels import KERNELS, KernelContext, KernelError
+from compiler_core.kernels import KERNELS, KernelContext, KernelError, weight_prefetch
 from compiler_core.kernels.schedules import StageInfo, default_schedule, transposed_read_tiles
 from compiler_core.loop.ir import PrimFunc
 from compiler_core.schedule.primitives import Record, apply
@@ -41,6 +42,8 @@ class GroupKernel:
     packed: dict[str, np.ndarray]
     stages: list[StageInfo]
     symbol: str = ""  # the function that runs it: its own, or an identical kernel's
+    # Later kernels' weights it prefetches (`weight_prefetch`): their inputs after its own.
+    prefetches: list[weight_prefetch.WeightPrefetch] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.symbol = self.symbol or self.name
@@ -377,15 +380,38 @@ def build_kernels(
     schedules: dict[str, list] | None = None,
     prefix: str = "",
     choices: dict[str, dict] | None = None,
+    prefetch_weights: bool = True,
 ) -> list[GroupKernel]:
     """One kernel per fused group, with the schedule `schedules` gives it or the default, and
-    the compute choices `choices` gives it (tuned: see `lower_group`)."""
+    the compute choices `choices` gives it (tuned: see `lower_group`); with
+    `prefetch_weights`, kernels prefetch the next kernels' weights (`weight_prefetch`)."""
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)
         chosen = (choices or {}).get(group.name)
         kernels.append(build_group(graph, group, index, target, override, prefix, chosen))
+    if prefetch_weights:
+        add_weight_prefetches(graph, kernels)
     return kernels
+
+
+def add_weight_prefetches(graph: Graph, kernels: Sequence[GroupKernel]) -> None:
+    """Each kernel prefetches (part of) the large weights of the kernels just after it
+    (`weight_prefetch.plan`): the weights value becomes one more input of the kernel."""
+    weights = set(graph.constants) | {name for k in kernels for name in k.packed}
+    flops = [sum(_stage_flops(stage) for stage in k.stages) for k in kernels]
+    funcs, inputs = [k.func for k in kernels], [k.inputs for k in kernels]
+    for p in weight_prefetch.plan(funcs, inputs, flops, weights):
+        by, source = kernels[p.by], kernels[p.of]
+        buffer = source.func.params[source.inputs.index(p.value)]
+        position = len(by.inputs)
+        by.func = weight_prefetch.add_prefetch(by.func, position, buffer, p.start, p.nbytes)
+        by.inputs = [*by.inputs, p.value]
+        by.prefetches.append(p)
+
+
+def _stage_flops(stage: StageInfo) -> float:
+    return 2.0 * math.prod(stage.shape) * math.prod(extent for _, extent in stage.reduce_axes)
 
 
 def build_graph(

@@ -141,6 +141,18 @@ def _kernel_notes(graph: Graph, kernels, tuned: dict[str, dict]) -> dict:
     }
 
 
+def _prefetch_notes(kernels) -> dict:
+    """Per kernel that prefetches later kernels' weights: which bytes of which value."""
+    return {
+        kernel.name: [
+            {"value": p.value, "for": kernels[p.of].name, "start": p.start, "bytes": p.nbytes}
+            for p in kernel.prefetches
+        ]
+        for kernel in kernels
+        if kernel.prefetches
+    }
+
+
 def _archive_members(
     plan: dict, members: dict[str, bytes], target: Target, **manifest_fields
 ) -> dict[str, bytes]:
@@ -180,6 +192,7 @@ def _members(
         model_sha256=model_sha,
         graph_key=graph.key,
         kernels=_kernel_notes(graph, compiled.kernels, tuned),
+        weight_prefetches=_prefetch_notes(compiled.kernels),
         distinct_kernels=len({k.symbol for k in compiled.kernels}),
         memory={
             "workspace_bytes": compiled.memory.workspace_bytes,
@@ -210,9 +223,10 @@ def _bucket_members(
         "buckets": buckets,
     }
     kernels = [k for p in built.plans for k in p.kernels]
-    notes = {}
+    notes, prefetches = {}, {}
     for p in built.plans:
         notes.update(_kernel_notes(p.graph, p.kernels, tuned.get(p.batch, {})))
+        prefetches.update(_prefetch_notes(p.kernels))
     return _archive_members(
         plan,
         _cpu_members(library, built.weights, plan),
@@ -221,6 +235,7 @@ def _bucket_members(
         graph_key=built.plans[-1].graph.key,
         batch_buckets=plan["batch_buckets"],
         kernels=notes,
+        weight_prefetches=prefetches,
         distinct_kernels=len({k.symbol for k in kernels}),
         memory={"workspace_bytes": plan["workspace_bytes"]},
     )

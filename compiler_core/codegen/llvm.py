@@ -972,7 +972,7 @@ class FunctionEmitter:
     @staticmethod
     def _uses_buffer(s: Stmt, buffer: Buffer) -> bool:
         for stmt in walk_stmts(s):
-            if isinstance(stmt, Store) and stmt.buffer == buffer:
+            if isinstance(stmt, (Store, Prefetch)) and stmt.buffer == buffer:
                 return True
             for e in stmt_exprs(stmt):
                 if any(isinstance(x, Load) and x.buffer == buffer for x in walk_exprs(e)):

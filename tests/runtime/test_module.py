@@ -199,3 +199,37 @@ def test_runtime_imports_nothing_else_from_the_compiler():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def mapping_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no transparent huge pages here"
+)
+def test_weights_ask_for_huge_pages_and_still_compute_right(mlp_archive):
+    """A module's weights (7 MB here; a workspace of 1 MB or more too) sit in a mapping
+    advised for huge pages (`hg`), from a 2 MB boundary, so that a run's page walks do not
+    grow with the model."""
+    from compiler_core.runtime import module as runtime_module
+
+    module = load(mlp_archive)
+    weights = module._weights.ctypes.data
+    assert weights % runtime_module.HUGE_PAGE_BYTES == 0
+    assert "hg" in mapping_flags(weights)
+    x = np.random.default_rng(0).standard_normal((4, 784)).astype(np.float32)
+    (expected,) = ort_run(shared_model("mlp"), {"x": x})
+    ((name, _, _),) = module.outputs
+    np.testing.assert_allclose(module.run({"x": x})[name], expected, rtol=1e-4, atol=1e-5)
