@@ -50,11 +50,15 @@ from compiler_core.loop.ir import (
 from compiler_core.loop.simplify import simplify_expr
 
 # Weights below this come in fast enough on their own (the hardware prefetchers and the
-# kernel's own `PrefetchNext` cover them); above the other bound they would not stay in
-# cache until their kernel runs (ResNet-18's last Winograd weights, 16.7 MB: prefetching
-# them slowed the kernels before by 40-50%).
+# kernel's own `PrefetchNext` cover them). Up to RESIDENT_BYTES (what two cores' L2 hold)
+# they are prefetched for any kernel; up to STAGED_BYTES only for a memory-bound one (below
+# MIN_INTENSITY), which would stall on them anyway and reads them from L3 several times
+# faster than from memory. A compute-bound kernel streams larger weights behind its own
+# FLOPs, and prefetching them only slowed the kernels before (mlp's 4 MB second layer at
+# batch 64: 1% slower; ResNet-18's 16.7 MB Winograd weights: the kernels before 40-50%).
 PREFETCH_MIN_BYTES = 64 * 1024
-PREFETCH_MAX_BYTES = 8 << 20
+RESIDENT_BYTES = 2 << 20
+STAGED_BYTES = 8 << 20
 # A kernel prefetches only while it is compute-bound: at least MIN_INTENSITY FLOPs per byte
 # of its own weights (a batch-1 GEMV streams its weights at 0.5 FLOP a byte and has no
 # memory time to spare), and at most one byte per FLOPS_PER_BYTE of its FLOPs, less its own
@@ -103,7 +107,8 @@ def plan(
         for value, buffer in zip(names, funcs[index].params, strict=False):
             if value not in weights:
                 continue
-            if not PREFETCH_MIN_BYTES <= buffer.nbytes <= PREFETCH_MAX_BYTES:
+            bound = STAGED_BYTES if flops[index] < MIN_INTENSITY * own[index] else RESIDENT_BYTES
+            if not PREFETCH_MIN_BYTES <= buffer.nbytes <= bound:
                 continue
             start = 0
             for by in _prefetchers(index, budgets, own):
@@ -245,4 +250,3 @@ def _replace(s: Stmt, old: For, new: For) -> Stmt:
     if isinstance(s, For):
         return dataclasses.replace(s, body=_replace(s.body, old, new))
     return s
-

@@ -124,7 +124,7 @@ def test_the_plan_hands_weights_back_first_bytes_first_within_budgets():
     for of, value in {(p.of, p.value) for p in plan}:
         slices = [p for p in plan if p.of == of and p.value == value]
         size = funcs[of].params[inputs[of].index(value)].nbytes
-        assert weight_prefetch.PREFETCH_MIN_BYTES <= size <= weight_prefetch.PREFETCH_MAX_BYTES
+        assert weight_prefetch.PREFETCH_MIN_BYTES <= size <= weight_prefetch.STAGED_BYTES
         starts = [p.start for p in slices]
         assert starts[0] == 0 and all(p.start % LINE == 0 for p in slices)
         assert [p.by for p in slices] == sorted((p.by for p in slices), reverse=True)
