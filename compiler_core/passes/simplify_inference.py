@@ -6,7 +6,10 @@
   Transposes are simplify_views' business.
 - GELU as exporters spell it, x * 0.5 * (1 + erf(x / sqrt(2))) in any order of its products,
   becomes one Gelu node: a single-input elementwise op, which the GEMM before it then takes
-  as its epilogue (the spelled-out form reads x twice, so it stayed a kernel of its own).
+  as its epilogue (the spelled-out form reads x twice, so it stayed a kernel of its own). So
+  does its tanh approximation (GPT-2's and HF's "gelu_new", PyTorch's approximate="tanh"
+  before opset 20): x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), with x^3 as a
+  Pow or a product, which becomes Gelu(approximate="tanh").
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from compiler_core.passes.rewrite import Rewrite, forward_values
 
 NAME = "simplify_inference"
 SQRT_HALF = math.sqrt(0.5)
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
 
 
 class _Rewriter(Rewrite):
@@ -174,19 +179,76 @@ def _erf_argument_of(rw: _Rewriter, value: str) -> str | None:
     return None
 
 
-def _gelu(rw: _Rewriter, node: Node) -> Node | None:
-    """Gelu(x) for a Mul that computes x * 0.5 * (1 + erf(x / sqrt(2)))."""
-    factors = _factors(rw, node.outputs[0], root=True)
+def _tanh_argument_of(rw: _Rewriter, value: str) -> str | None:
+    """x where `value` = 1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)), either order."""
+    add = _producer(rw, value, "Add")
+    if add is None or len(add.inputs) != 2:
+        return None
+    for one, other in (add.inputs, add.inputs[::-1]):
+        tanh = _producer(rw, other, "Tanh")
+        if _scalar(rw, one) != 1.0 or tanh is None:
+            continue
+        values, scale = _split_product(rw, tanh.inputs[0])
+        if len(values) == 1 and _near(scale, SQRT_2_OVER_PI):
+            return _cubic_sum_argument(rw, values[0])
+    return None
+
+
+def _cubic_sum_argument(rw: _Rewriter, value: str) -> str | None:
+    """x where `value` = x + 0.044715 * x^3 (either order; x^3 a Pow or a product)."""
+    add = _producer(rw, value, "Add")
+    if add is None or len(add.inputs) != 2:
+        return None
+    for x, term in (add.inputs, add.inputs[::-1]):
+        values, scale = _split_product(rw, term)
+        if _near(scale, GELU_CUBIC) and _power_of(rw, values, x) == 3:
+            return x
+    return None
+
+
+def _power_of(rw: _Rewriter, values: list[str], x: str) -> int | None:
+    """n where the product of `values` is x^n (each x itself or a Pow of x by an integer)."""
+    power = 0
+    for value in values:
+        pow_node = _producer(rw, value, "Pow")
+        exponent = _scalar(rw, pow_node.inputs[1]) if pow_node is not None else None
+        if value == x:
+            power += 1
+        elif pow_node is not None and pow_node.inputs[0] == x and exponent in (2.0, 3.0):
+            power += int(exponent)
+        else:
+            return None
+    return power
+
+
+def _split_product(rw: _Rewriter, value: str) -> tuple[list[str], float]:
+    """(the non-constant factors, the product of the scalar constant ones) of `value`."""
+    factors = _factors(rw, value, root=True)
     constants = [_scalar(rw, f) for f in factors]
     values = [f for f, c in zip(factors, constants, strict=True) if c is None]
-    scale = float(np.prod([c for c in constants if c is not None]))
+    return values, float(np.prod([c for c in constants if c is not None]))
+
+
+def _near(value: float, expected: float) -> bool:
+    """Equal but for float32 rounding of a constant an exporter wrote."""
+    return abs(value - expected) <= 1e-6 * abs(expected)
+
+
+def _gelu(rw: _Rewriter, node: Node) -> Node | None:
+    """Gelu(x) for a Mul that computes x * 0.5 * (1 + erf(x / sqrt(2))), or the tanh form."""
+    values, scale = _split_product(rw, node.outputs[0])
     if len(values) != 2 or abs(scale - 0.5) > 1e-7:
         return None
     for x, other in (values, values[::-1]):
         if _erf_argument_of(rw, other) == x:
-            if rw.types[x] != rw.types[node.outputs[0]]:
-                return None  # a factor broadcast the result: not GELU of x alone
-            return Node("Gelu", node.name, (x,), node.outputs, {"approximate": "none"})
+            approximate = "none"
+        elif _tanh_argument_of(rw, other) == x:
+            approximate = "tanh"
+        else:
+            continue
+        if rw.types[x] != rw.types[node.outputs[0]]:
+            return None  # a factor broadcast the result: not GELU of x alone
+        return Node("Gelu", node.name, (x,), node.outputs, {"approximate": approximate})
     return None
 
 

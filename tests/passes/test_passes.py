@@ -344,6 +344,76 @@ def test_spelled_out_gelu_becomes_one_node_in_the_gemm_epilogue(spelling):
     assert_close_to_scale(module.run(feeds)["y"], session.run(["y"], feeds)[0])
 
 
+def tanh_gelu_model(cube: str, beta: float = math.sqrt(2 / math.pi), kappa: float = 0.044715):
+    """MatMul + bias, then GELU's tanh approximation as GPT-2 / PyTorch (approximate="tanh",
+    before opset 20) export it: x * 0.5 * (1 + tanh(beta * (x + kappa * x^3))), the cube a
+    Pow (`cube="pow"`) or a product (`"mul"`, kappa on the right, the sum's terms swapped)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        helper.make_node("Add", ["m", "b"], ["h"], name="bias"),
+    ]
+    if cube == "pow":
+        nodes += [
+            helper.make_node("Pow", ["h", "three"], ["h3"], name="cube"),
+            helper.make_node("Mul", ["kappa", "h3"], ["k3"], name="kappa_x3"),
+            helper.make_node("Add", ["h", "k3"], ["s"], name="sum"),
+        ]
+    else:
+        nodes += [
+            helper.make_node("Mul", ["h", "h"], ["h2"], name="square"),
+            helper.make_node("Mul", ["h2", "h"], ["h3"], name="cube"),
+            helper.make_node("Mul", ["h3", "kappa"], ["k3"], name="kappa_x3"),
+            helper.make_node("Add", ["k3", "h"], ["s"], name="sum"),
+        ]
+    nodes += [
+        helper.make_node("Mul", ["beta", "s"], ["t"], name="beta_sum"),
+        helper.make_node("Tanh", ["t"], ["e"], name="tanh"),
+        helper.make_node("Add", ["e", "one"], ["p"], name="plus"),
+        helper.make_node("Mul", ["h", "half"], ["hx"], name="half_x"),
+        helper.make_node("Mul", ["hx", "p"], ["y"], name="mul"),
+    ]
+    constants = {"beta": np.float32(beta), "kappa": np.float32(kappa), "three": np.float32(3)}
+    return make_model(
+        nodes,
+        [("x", FLOAT, [3, 8])],
+        [("y", FLOAT, [3, 6])],
+        {
+            "w": rand(8, 6),
+            "b": rand(6),
+            "one": np.float32(1.0),
+            "half": np.float32(0.5),
+            **constants,
+        },
+    )
+
+
+@pytest.mark.parametrize("cube", ["pow", "mul"])
+def test_gelus_tanh_approximation_becomes_one_tanh_gelu_in_the_gemm_epilogue(cube):
+    model = tanh_gelu_model(cube)
+    before = import_model(model)
+    after = eliminate_dead_code.run(simplify_inference.run(before))
+    assert after.op_histogram() == {"Add": 1, "Gelu": 1, "MatMul": 1}
+    (gelu,) = [n for n in after.nodes if n.op == "Gelu"]
+    assert gelu.attr("approximate") == "tanh"
+    assert_same_function(before, after)
+    fused = optimize(before)
+    assert [[fused.node_by_name[n].op for n in g.nodes] for g in fused.groups] == [
+        ["MatMul", "Add", "Gelu"]
+    ]
+    module = load(compiler_core.compile(model))
+    feeds = {"x": rand(3, 8)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert_close_to_scale(module.run(feeds)["y"], session.run(["y"], feeds)[0])
+
+
+@pytest.mark.parametrize(("beta", "kappa"), [(0.8, 0.044715), (math.sqrt(2 / math.pi), 0.05)])
+def test_a_tanh_product_with_other_constants_stays_spelled_out(beta, kappa):
+    before = import_model(tanh_gelu_model("pow", beta=beta, kappa=kappa))
+    after = eliminate_dead_code.run(simplify_inference.run(before))
+    assert "Gelu" not in after.op_histogram()
+    assert_same_function(before, after)
+
+
 @pytest.mark.parametrize(("half", "scale"), [(0.4, math.sqrt(2.0)), (0.5, 1.5)])
 def test_a_product_that_is_not_gelu_stays_spelled_out(half, scale):
     before = import_model(gelu_model("div", half=half, scale=scale))
