@@ -328,7 +328,13 @@ def _weights_prefetch(
     top of every iteration of the deepest loop (in `extents`' order, the loops inside the
     chunk loop) whose iterations, counted from the chunk loop down, do not outnumber the
     lines. The first `fused` loops join the parallel loop later, so no prefetch goes there."""
-    per_block = 4 * math.prod(extent for _, extent in conv.reduce_axes) * conv.shape[-1]
+    # One output-channel block's weights: its share of the packed weights where the builder
+    # noted their size (any dtype), else float32 reduction x block.
+    per_block = (
+        conv.note("weight_bytes") // conv.shape[1]
+        if conv.note("weight_bytes")
+        else 4 * math.prod(extent for _, extent in conv.reduce_axes) * conv.shape[-1]
+    )
     lines = blocks * per_block // CACHE_LINE_BYTES
     loops = list(extents.items())
     at = loops[fused][0]
