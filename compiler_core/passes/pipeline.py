@@ -24,6 +24,7 @@ from compiler_core.passes import (
     hoist_gathers,
     simplify_inference,
     simplify_views,
+    split_gemm_columns,
     transform_layout,
 )
 from compiler_core.target import Target, host_target
@@ -52,6 +53,8 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("simplify_inference", simplify_inference.run),
     ("simplify_views", simplify_views.run),
     ("hoist_gathers", hoist_gathers.run),
+    ("split_gemm_columns", split_gemm_columns.run),
+    ("hoist_gathers_again", hoist_gathers.run),
     ("fold_constants_again", fold_constants.run),
     ("eliminate_common_subexpressions", eliminate_common_subexpressions.run),
     ("eliminate_identity_again", eliminate_identity.run),
