@@ -92,6 +92,7 @@ def test_compile_then_run(tmp_path):
     result = kiln("run", str(archive), "--repeat", "2", "--profile", "3")
     assert result.returncode == 0, result.stderr
     assert "per-kernel medians" in result.stdout and "the 3 slowest" in result.stdout
+    assert result.stdout.count(" alone ") == 3  # each listed kernel's time alone beside it
 
 
 def test_run_refuses_a_wrong_input_shape(tmp_path):

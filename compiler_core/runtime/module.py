@@ -296,12 +296,16 @@ class Module:
         return outputs
 
     def profile(
-        self, inputs: Mapping[str, np.ndarray], repeats: int = 20
+        self, inputs: Mapping[str, np.ndarray], repeats: int = 20, alone: bool = False
     ) -> list[tuple[str, float]]:
         """Time every kernel on its own, in execution order: [(kernel, median seconds)].
 
         Kernels are called one by one over the same workspace the entry function uses, so
-        each sees the data it would see inside a whole-model run (a debug executor).
+        each sees the data it would see inside a whole-model run (a debug executor): the
+        whole sequence `repeats` times. With `alone`, each kernel is called `repeats` times
+        in a row instead (after one call that warms it), in the same order, so it finds its
+        weights and inputs in cache: the difference from the in-model time is what the
+        kernel waits on memory for inside a run.
         """
         plan, checked, _ = self._checked(inputs)
         arrays = dict(zip([name for name, _, _ in plan.inputs], checked, strict=True))
@@ -327,11 +331,19 @@ class Module:
             for k in plan.kernels
         ]
         samples: dict[str, list[float]] = {name: [] for name, _, _ in calls}
-        for _ in range(repeats):
+        if alone:
             for name, fn, args in calls:
-                started = time.perf_counter()
                 fn(*args)
-                samples[name].append(time.perf_counter() - started)
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    fn(*args)
+                    samples[name].append(time.perf_counter() - started)
+        else:
+            for _ in range(repeats):
+                for name, fn, args in calls:
+                    started = time.perf_counter()
+                    fn(*args)
+                    samples[name].append(time.perf_counter() - started)
         return [(name, float(np.median(samples[name]))) for name, _, _ in calls]
 
 

@@ -114,6 +114,9 @@ def test_profile_times_every_kernel_over_the_run_buffers(mlp_archive):
     plan = json.loads(zipfile.ZipFile(io.BytesIO(mlp_archive.to_bytes())).read("plan.json"))
     assert [name for name, _ in rows] == [k["name"] for k in plan["kernels"]]
     assert all(seconds > 0 for _, seconds in rows)
+    alone = module.profile({"x": x}, repeats=3, alone=True)  # each kernel repeated in a row
+    assert [name for name, _ in alone] == [name for name, _ in rows]
+    assert all(seconds > 0 for _, seconds in alone)
     # Profiling calls the same kernels on the same workspace: a later run is unaffected.
     np.testing.assert_array_equal(
         module.run({"x": x})["probs"], load(mlp_archive).run({"x": x})["probs"]
