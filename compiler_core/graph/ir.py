@@ -209,7 +209,9 @@ def _frozen_array(array: np.ndarray) -> np.ndarray:
 def _array_digest(array: np.ndarray) -> str:
     h = hashlib.sha256()
     h.update(f"{array.dtype.name}{array.shape}".encode())
-    h.update(np.ascontiguousarray(array).data)  # hashed in place, not copied to bytes
+    # Hashed in place, not copied to bytes; as raw bytes, since a dtype such as bfloat16
+    # (ml_dtypes) has no buffer format to export.
+    h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     return h.hexdigest()
 
 

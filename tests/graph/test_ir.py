@@ -48,6 +48,17 @@ def test_structural_key_is_stable_and_sees_constant_content():
     assert other.key != small_graph().key
 
 
+def test_a_bfloat16_constant_is_keyed_by_its_content():
+    """bfloat16 (ml_dtypes) exports no buffer format: its bytes are hashed raw."""
+    from ml_dtypes import bfloat16
+
+    def key(values):
+        array = np.asarray(values, dtype=bfloat16)
+        return Graph("g", (), ("c",), (), {"c": TensorType.of(array)}, {"c": array}).key
+
+    assert key([1.0, 2.0]) == key([1.0, 2.0]) != key([1.0, 3.0])
+
+
 def test_attrs_are_order_independent():
     a = Node("Conv", "c", ("x", "w"), ("y",), {"strides": [1, 1], "pads": [0, 0, 0, 0]})
     b = Node("Conv", "c", ("x", "w"), ("y",), {"pads": (0, 0, 0, 0), "strides": (1, 1)})
