@@ -158,39 +158,42 @@ def _producer(rw: _Rewriter, value: str, op: str) -> Node | None:
     return producer if producer is not None and producer.op == op else None
 
 
-def _erf_argument_of(rw: _Rewriter, value: str) -> str | None:
-    """x where `value` = 1 + erf(x / sqrt(2)) (or erf(x * sqrt(1/2)), either order)."""
+def _one_plus(rw: _Rewriter, value: str, op: str) -> Node | None:
+    """The `op` node where `value` = 1 + op(...), either order."""
     add = _producer(rw, value, "Add")
     if add is None or len(add.inputs) != 2:
         return None
     for one, other in (add.inputs, add.inputs[::-1]):
-        erf = _producer(rw, other, "Erf")
-        if _scalar(rw, one) != 1.0 or erf is None:
-            continue
-        scaled = rw.graph.producers.get(erf.inputs[0])
-        if scaled is None or scaled.op not in ("Div", "Mul") or len(scaled.inputs) != 2:
-            return None
-        x, c = scaled.inputs
-        factor = _scalar(rw, c)
-        if factor is None or scaled.op == "Div" and factor == 0.0:
-            return None
-        factor = 1.0 / factor if scaled.op == "Div" else factor
-        return x if abs(factor - SQRT_HALF) <= 1e-6 * SQRT_HALF else None
+        node = _producer(rw, other, op)
+        if node is not None and _scalar(rw, one) == 1.0:
+            return node
     return None
+
+
+def _erf_argument_of(rw: _Rewriter, value: str) -> str | None:
+    """x where `value` = 1 + erf(x / sqrt(2)) (or erf(x * sqrt(1/2)), either order)."""
+    erf = _one_plus(rw, value, "Erf")
+    if erf is None:
+        return None
+    scaled = rw.graph.producers.get(erf.inputs[0])
+    if scaled is None or scaled.op not in ("Div", "Mul") or len(scaled.inputs) != 2:
+        return None
+    x, c = scaled.inputs
+    factor = _scalar(rw, c)
+    if factor is None or scaled.op == "Div" and factor == 0.0:
+        return None
+    factor = 1.0 / factor if scaled.op == "Div" else factor
+    return x if _near(factor, SQRT_HALF) else None
 
 
 def _tanh_argument_of(rw: _Rewriter, value: str) -> str | None:
     """x where `value` = 1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)), either order."""
-    add = _producer(rw, value, "Add")
-    if add is None or len(add.inputs) != 2:
+    tanh = _one_plus(rw, value, "Tanh")
+    if tanh is None:
         return None
-    for one, other in (add.inputs, add.inputs[::-1]):
-        tanh = _producer(rw, other, "Tanh")
-        if _scalar(rw, one) != 1.0 or tanh is None:
-            continue
-        values, scale = _split_product(rw, tanh.inputs[0])
-        if len(values) == 1 and _near(scale, SQRT_2_OVER_PI):
-            return _cubic_sum_argument(rw, values[0])
+    values, scale = _split_product(rw, tanh.inputs[0])
+    if len(values) == 1 and _near(scale, SQRT_2_OVER_PI):
+        return _cubic_sum_argument(rw, values[0])
     return None
 
 

@@ -289,33 +289,15 @@ def test_pipeline_stages_can_be_dumped_by_name():
         optimize(graph, stop_after="no_such_pass")
 
 
-def gelu_model(spelling: str, half: float = 0.5, scale: float = math.sqrt(2.0)):
-    """MatMul + bias, then GELU spelled out as exporters write it (`spelling` picks the
-    order of the products and the form of the scaling)."""
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
-        helper.make_node("Add", ["m", "b"], ["h"], name="bias"),
-    ]
-    if spelling == "div":  # PyTorch's nn.GELU: x * 0.5 * (1 + erf(x / sqrt(2)))
-        nodes += [
-            helper.make_node("Div", ["h", "c"], ["d"], name="div"),
-            helper.make_node("Erf", ["d"], ["e"], name="erf"),
-            helper.make_node("Add", ["e", "one"], ["p"], name="plus"),
-            helper.make_node("Mul", ["h", "p"], ["q"], name="mul"),
-            helper.make_node("Mul", ["q", "half"], ["y"], name="half_of"),
-        ]
-        constants = {"c": np.float32(scale)}
-    else:  # 0.5 * x first, erf(x * sqrt(1/2)), 1 on the left
-        nodes += [
-            helper.make_node("Mul", ["half", "h"], ["hx"], name="half_x"),
-            helper.make_node("Mul", ["h", "c"], ["d"], name="scale"),
-            helper.make_node("Erf", ["d"], ["e"], name="erf"),
-            helper.make_node("Add", ["one", "e"], ["p"], name="plus"),
-            helper.make_node("Mul", ["hx", "p"], ["y"], name="mul"),
-        ]
-        constants = {"c": np.float32(1.0 / scale)}
+def projection_then(nodes, constants, half: float = 0.5):
+    """x [3, 8] -> MatMul + bias (h [3, 6]), then `nodes`, which compute y from h with
+    `constants`, `one` and `half`."""
     return make_model(
-        nodes,
+        [
+            helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+            helper.make_node("Add", ["m", "b"], ["h"], name="bias"),
+            *nodes,
+        ],
         [("x", FLOAT, [3, 8])],
         [("y", FLOAT, [3, 6])],
         {
@@ -328,12 +310,38 @@ def gelu_model(spelling: str, half: float = 0.5, scale: float = math.sqrt(2.0)):
     )
 
 
-@pytest.mark.parametrize("spelling", ["div", "mul"])
-def test_spelled_out_gelu_becomes_one_node_in_the_gemm_epilogue(spelling):
-    model = gelu_model(spelling)
+def gelu_model(spelling: str, half: float = 0.5, scale: float = math.sqrt(2.0)):
+    """MatMul + bias, then GELU spelled out as exporters write it (`spelling` picks the
+    order of the products and the form of the scaling)."""
+    if spelling == "div":  # PyTorch's nn.GELU: x * 0.5 * (1 + erf(x / sqrt(2)))
+        nodes = [
+            helper.make_node("Div", ["h", "c"], ["d"], name="div"),
+            helper.make_node("Erf", ["d"], ["e"], name="erf"),
+            helper.make_node("Add", ["e", "one"], ["p"], name="plus"),
+            helper.make_node("Mul", ["h", "p"], ["q"], name="mul"),
+            helper.make_node("Mul", ["q", "half"], ["y"], name="half_of"),
+        ]
+        constants = {"c": np.float32(scale)}
+    else:  # 0.5 * x first, erf(x * sqrt(1/2)), 1 on the left
+        nodes = [
+            helper.make_node("Mul", ["half", "h"], ["hx"], name="half_x"),
+            helper.make_node("Mul", ["h", "c"], ["d"], name="scale"),
+            helper.make_node("Erf", ["d"], ["e"], name="erf"),
+            helper.make_node("Add", ["one", "e"], ["p"], name="plus"),
+            helper.make_node("Mul", ["hx", "p"], ["y"], name="mul"),
+        ]
+        constants = {"c": np.float32(1.0 / scale)}
+    return projection_then(nodes, constants, half)
+
+
+def assert_one_gelu_in_the_gemm_epilogue(model, approximate: str) -> None:
+    """The spelled-out GELU of `model` is one Gelu node of that approximation, the same
+    function, in the GEMM's group; compiled, it matches ONNX Runtime."""
     before = import_model(model)
     after = eliminate_dead_code.run(simplify_inference.run(before))
     assert after.op_histogram() == {"Add": 1, "Gelu": 1, "MatMul": 1}
+    (gelu,) = [n for n in after.nodes if n.op == "Gelu"]
+    assert gelu.attr("approximate") == approximate
     assert_same_function(before, after)
     fused = optimize(before)
     ops = [[fused.node_by_name[n].op for n in g.nodes] for g in fused.groups]
@@ -344,22 +352,23 @@ def test_spelled_out_gelu_becomes_one_node_in_the_gemm_epilogue(spelling):
     assert_close_to_scale(module.run(feeds)["y"], session.run(["y"], feeds)[0])
 
 
+@pytest.mark.parametrize("spelling", ["div", "mul"])
+def test_spelled_out_gelu_becomes_one_node_in_the_gemm_epilogue(spelling):
+    assert_one_gelu_in_the_gemm_epilogue(gelu_model(spelling), "none")
+
+
 def tanh_gelu_model(cube: str, beta: float = math.sqrt(2 / math.pi), kappa: float = 0.044715):
     """MatMul + bias, then GELU's tanh approximation as GPT-2 / PyTorch (approximate="tanh",
     before opset 20) export it: x * 0.5 * (1 + tanh(beta * (x + kappa * x^3))), the cube a
     Pow (`cube="pow"`) or a product (`"mul"`, kappa on the right, the sum's terms swapped)."""
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
-        helper.make_node("Add", ["m", "b"], ["h"], name="bias"),
-    ]
     if cube == "pow":
-        nodes += [
+        nodes = [
             helper.make_node("Pow", ["h", "three"], ["h3"], name="cube"),
             helper.make_node("Mul", ["kappa", "h3"], ["k3"], name="kappa_x3"),
             helper.make_node("Add", ["h", "k3"], ["s"], name="sum"),
         ]
     else:
-        nodes += [
+        nodes = [
             helper.make_node("Mul", ["h", "h"], ["h2"], name="square"),
             helper.make_node("Mul", ["h2", "h"], ["h3"], name="cube"),
             helper.make_node("Mul", ["h3", "kappa"], ["k3"], name="kappa_x3"),
@@ -373,37 +382,12 @@ def tanh_gelu_model(cube: str, beta: float = math.sqrt(2 / math.pi), kappa: floa
         helper.make_node("Mul", ["hx", "p"], ["y"], name="mul"),
     ]
     constants = {"beta": np.float32(beta), "kappa": np.float32(kappa), "three": np.float32(3)}
-    return make_model(
-        nodes,
-        [("x", FLOAT, [3, 8])],
-        [("y", FLOAT, [3, 6])],
-        {
-            "w": rand(8, 6),
-            "b": rand(6),
-            "one": np.float32(1.0),
-            "half": np.float32(0.5),
-            **constants,
-        },
-    )
+    return projection_then(nodes, constants)
 
 
 @pytest.mark.parametrize("cube", ["pow", "mul"])
 def test_gelus_tanh_approximation_becomes_one_tanh_gelu_in_the_gemm_epilogue(cube):
-    model = tanh_gelu_model(cube)
-    before = import_model(model)
-    after = eliminate_dead_code.run(simplify_inference.run(before))
-    assert after.op_histogram() == {"Add": 1, "Gelu": 1, "MatMul": 1}
-    (gelu,) = [n for n in after.nodes if n.op == "Gelu"]
-    assert gelu.attr("approximate") == "tanh"
-    assert_same_function(before, after)
-    fused = optimize(before)
-    assert [[fused.node_by_name[n].op for n in g.nodes] for g in fused.groups] == [
-        ["MatMul", "Add", "Gelu"]
-    ]
-    module = load(compiler_core.compile(model))
-    feeds = {"x": rand(3, 8)}
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    assert_close_to_scale(module.run(feeds)["y"], session.run(["y"], feeds)[0])
+    assert_one_gelu_in_the_gemm_epilogue(tanh_gelu_model(cube), "tanh")
 
 
 @pytest.mark.parametrize(("beta", "kappa"), [(0.8, 0.044715), (math.sqrt(2 / math.pi), 0.05)])
