@@ -9,6 +9,7 @@ in their final, packed layouts), `plan.json` (input/output signatures, workspace
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -109,7 +110,9 @@ def _huge_page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     """An anonymous mapping (zeroed by the OS) asked to be backed by huge pages, and a view
     of `nbytes` from its first 2 MB boundary."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    # A kernel built without transparent huge pages refuses the advice: 4 KB pages it is.
+    with contextlib.suppress(OSError):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = np.frombuffer(mapping, np.uint8)
     start = (-whole.ctypes.data) % HUGE_PAGE_BYTES
     return mapping, whole[start : start + nbytes]
