@@ -167,8 +167,9 @@ def main() -> int:
     print(f"\n{'model':14s} {'match':>6s} {'compile s':>10s} {'module ms':>10s} "
           f"{'HTTP ms':>9s} {'ORT ms':>8s}")  # fmt: skip
     for name, r in results.items():
+        module_ms = "-" if r["in_process_ms"] is None else f"{r['in_process_ms']:.3f}"
         print(f"{name:14s} {'yes' if r['ok'] else 'NO':>6s} {r['compile_s']:10.1f} "
-              f"{r['in_process_ms']:10.3f} {r['http_ms']:9.3f} {r['ort_ms']:8.3f}")  # fmt: skip
+              f"{module_ms:>10s} {r['http_ms']:9.3f} {r['ort_ms']:8.3f}")  # fmt: skip
     print("(module ms: the compiled module in-process, measured by the worker; HTTP ms: "
           "tritonclient round trip to the runtime server; ORT ms: ONNX Runtime in-process, "
           "default threads; medians)")  # fmt: skip

@@ -179,7 +179,12 @@ def _compile_stages(run: JobRun, store, settings, send_tuning=None) -> None:
     known = _known_artifact(store, job["key"])
     if known:
         run.ledger.grant_artifact(job["tenant"], known)
-        run.finish("done", artifact=known, reused=True)
+        # What was checked and measured when it was built comes with it.
+        stored = _stored_manifest(store, known)
+        if stored.get("latency_ms") is not None:
+            run.ledger.update_job(job["id"], best_latency_ms=stored["latency_ms"])
+        verification = stored.get("verification")
+        run.finish("done", artifact=known, reused=True, verification=verification)
         return
     run.stage("importing")
     target = parse_target(job["target"])
@@ -215,6 +220,7 @@ def _compile_stages(run: JobRun, store, settings, send_tuning=None) -> None:
             "compiler_version": job["compiler_version"],
             "compile_seconds": round(archive.compile_seconds or 0.0, 3),
             "verification": verification,
+            "latency_ms": latency_ms,
             "inputs": archive.manifest["inputs"],
             "outputs": archive.manifest["outputs"],
             "created": time.time(),
@@ -233,6 +239,16 @@ def _known_artifact(store, key: str) -> str | None:
     except ManifestNotFound:
         return None
     return digest if store.has_blob(digest) else None
+
+
+def _stored_manifest(store, digest: str) -> dict:
+    """What was recorded with a stored artifact ({} when its manifest is gone)."""
+    from artifact_store import ManifestNotFound
+
+    try:
+        return store.get_manifest("artifacts", digest)
+    except ManifestNotFound:
+        return {}
 
 
 def _measure_latency(archive) -> float | None:

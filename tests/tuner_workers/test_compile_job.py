@@ -83,6 +83,10 @@ def test_the_same_job_key_reuses_its_artifact_and_a_redo_is_byte_identical(platf
     new_job(platform, tiny_model(), {"x": [3, 8]}, tenant="b", job_id="c-2")
     second = run(platform, "c-2")
     assert second["artifact"] == first["artifact"] and second["reused"]
+    # What was checked and measured when it was built, reported with the reuse too.
+    assert second["verification"] == first["verification"]
+    assert second["verification"]["passed"] is True
+    assert second["best_latency_ms"] == first["best_latency_ms"] > 0
     assert ledger.owns_artifact("b", first["artifact"])
     # Redone from scratch (its job record gone, its blob deleted): the very same bytes.
     store.delete_manifest("jobs", first["key"])
