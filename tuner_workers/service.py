@@ -34,9 +34,24 @@ class JobStopped(Exception):  # noqa: N818 - a signal, not an error
 
 
 def compiler_version() -> str:
+    """The installed package's version and a digest of the compiler's sources. A job key
+    names the compiler that built its artifact: a compiler changed under an unchanged version
+    number (an editable install being worked on, a patched image) must not be handed the
+    artifacts the old one built."""
     from importlib.metadata import version
 
-    return version("kiln")
+    import compiler_core
+
+    return f"{version('kiln')}+{source_digest(Path(compiler_core.__file__).parent)}"
+
+
+@functools.cache
+def source_digest(root: Path) -> str:
+    """A short sha256 of the Python and C sources under `root` (their paths and bytes)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c") and p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def job_key(model_digest: str, target: str, options: dict, version: str) -> str:

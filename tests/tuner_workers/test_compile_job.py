@@ -209,3 +209,24 @@ def test_tuned_cuda_jobs_go_to_a_queue_only_gpu_workers_consume():
     assert queue_for_target("cuda -arch=sm_80", tuned=True) == "cuda.sm_80.gpu"
     assert queue_for_target("llvm", tuned=True) == "cpu"
     assert "cuda.sm_80" in cpu_queues() and "cuda.sm_80.gpu" not in cpu_queues()
+
+
+def test_the_compiler_version_names_the_sources_that_built_an_artifact(tmp_path):
+    """A job key holds the compiler version, and the version a digest of the compiler's
+    sources: an edited compiler under the same version number does not reuse the artifacts
+    the old one built."""
+    from importlib.metadata import version
+
+    assert service.compiler_version().startswith(version("kiln") + "+")
+    digest = service.source_digest.__wrapped__  # uncached: the tree changes below
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "build.py").write_text("TILE = 8\n")
+    (tmp_path / "kernels" / "pool.c").write_text("int spin;\n")
+    (tmp_path / "notes.txt").write_text("not a source\n")
+    before = digest(tmp_path)
+    (tmp_path / "notes.txt").write_text("still not a source\n")
+    assert digest(tmp_path) == before
+    (tmp_path / "kernels" / "pool.c").write_text("int spin = 1;\n")
+    assert digest(tmp_path) != before
+    key = service.job_key("sha256:m", "llvm", {}, service.compiler_version())
+    assert key != service.job_key("sha256:m", "llvm", {}, version("kiln"))
