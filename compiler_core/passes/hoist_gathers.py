@@ -16,16 +16,21 @@ The Gather moves through
   before it (the same count of rows before the axis).
 It stops at a value that anything else reads. A scalar index (which drops the axis) is
 first split into a one-element Gather and a Reshape that drops the axis, so ranks stay put
-while the Gather moves.
+while the Gather moves. A Slice that keeps part of one axis (a token picked as `x[:, :1]`
+or `x[:, -1:]`) moves as the Gather of the rows it keeps; one that cannot move stays a
+Slice.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.graph.ops import OP_TABLE
 from compiler_core.graph.ops.base import normalize_axis
+from compiler_core.graph.ops.tensor import slice_objects
 from compiler_core.passes import eliminate_common_subexpressions, eliminate_dead_code
 from compiler_core.passes.rewrite import Rewrite, is_elementwise, reshape_node
 
@@ -193,21 +198,46 @@ def _hoisted(rw: _Round, gather: Node) -> list[Node] | None:
     return move(rw, producer, gather, _axis(gather, rw.types[data].rank, 0))
 
 
+def _slice_as_gather(rw: _Round, node: Node) -> Node | None:
+    """A Slice that keeps part of one axis (`x[:, :1]`, `x[:, -1:]`, every other row), as
+    the Gather of the rows it keeps: the same node name and output, so it moves as one."""
+    shape = rw.types[node.inputs[0]].shape
+    index = slice_objects(node, shape)
+    cut = [
+        axis
+        for axis, (part, dim) in enumerate(zip(index, shape, strict=True))
+        if range(*part.indices(dim)) != range(dim)
+    ]
+    if len(cut) != 1:
+        return None
+    axis = cut[0]
+    kept = np.arange(shape[axis], dtype=np.int64)[index[axis]]
+    if kept.size == 0:
+        return None
+    indices = rw.fresh(f"{node.name}_rows")
+    rw.constants[indices] = kept
+    rw.types[indices] = TensorType.of(kept)
+    return Node("Gather", node.name, (node.inputs[0], indices), node.outputs, {"axis": axis})
+
+
 def _sweep(graph: Graph) -> tuple[Graph, bool]:
     rw = _Round(graph)
     replaced: dict[str, list[Node]] = {}  # node name -> what takes its place
     moved_from: set[str] = set()  # producers a Gather moved above (removed)
     for node in graph.nodes:
-        if node.op != "Gather" or node.name in moved_from:
+        if node.name in moved_from:
             continue
-        producer = graph.producers.get(node.inputs[0])
+        gather = _slice_as_gather(rw, node) if node.op == "Slice" else node
+        if gather is None or gather.op != "Gather":
+            continue
+        producer = graph.producers.get(gather.inputs[0])
         if producer is not None and (producer.name in replaced or producer.name in moved_from):
             continue  # one change per node a round
-        new = _hoisted(rw, node)
+        new = _hoisted(rw, gather)
         if new is None:
-            continue
+            continue  # a Slice that does not move stays a Slice
         replaced[node.name] = new
-        if rw.constants[node.inputs[1]].ndim != 0 and producer is not None:
+        if rw.constants[gather.inputs[1]].ndim != 0 and producer is not None:
             moved_from.add(producer.name)
     if not replaced:
         return graph, False

@@ -75,6 +75,61 @@ def test_a_classifier_computes_only_the_token_it_reads(index):
     check_compiled(model, {"x": rand(1, 6, 8)})
 
 
+def sliced_head(starts, ends, steps, sequence=6, width=8):
+    """An encoder's last layer read through a Slice of its tokens (`x[:, start:end:step]`),
+    then a Gemm per kept token."""
+    kept = len(range(*slice(starts, ends, steps).indices(sequence)))
+    return make_model(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+            helper.make_node("Add", ["m", "b"], ["h"], name="bias"),
+            helper.make_node("Relu", ["h"], ["r"], name="relu"),
+            helper.make_node("Slice", ["r", "st", "en", "ax", "sp"], ["t"], name="tokens"),
+            helper.make_node("MatMul", ["t", "wh"], ["y"], name="head"),
+        ],
+        [("x", FLOAT, [1, sequence, width])],
+        [("y", FLOAT, [1, kept, 3])],
+        {
+            "w": rand(width, width),
+            "b": rand(width),
+            "st": np.array([starts], np.int64),
+            "en": np.array([ends], np.int64),
+            "ax": np.array([1], np.int64),
+            "sp": np.array([steps], np.int64),
+            "wh": rand(width, 3),
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("starts", "ends", "steps", "rows"),
+    [(0, 1, 1, 1), (-1, 6, 1, 1), (0, 6, 2, 3), (5, -7, -2, 3)],
+    ids=["first", "last", "every-other", "reversed"],
+)
+def test_a_slice_of_tokens_moves_up_like_a_gather(starts, ends, steps, rows):
+    model = sliced_head(starts, ends, steps)
+    graph = hoisted(model)
+    # The projection, its bias and activation run on the kept tokens alone.
+    assert input_rows(graph, "MatMul")[0] == (1, rows, 8)
+    assert "Slice" not in {n.op for n in graph.nodes}
+    check_compiled(model, {"x": rand(1, 6, 8)})
+
+
+def test_a_slice_that_cannot_move_stays_a_slice():
+    """Sliced along the axis a Softmax normalizes: it stays where it is, a Slice."""
+    model = make_model(
+        [
+            helper.make_node("Softmax", ["x"], ["p"], name="softmax", axis=-1),
+            helper.make_node("Slice", ["p", "st", "en", "ax"], ["y"], name="cut"),
+        ],
+        [("x", FLOAT, [2, 5])],
+        [("y", FLOAT, [2, 2])],
+        {"st": np.array([1], np.int64), "en": np.array([3], np.int64), "ax": np.array([1])},
+    )
+    graph = hoisted(model)
+    assert [n.op for n in graph.nodes] == ["Softmax", "Slice"]
+
+
 def test_a_gather_along_the_normalized_axis_stays():
     model = make_model(
         [
