@@ -38,16 +38,13 @@ from compiler_core.loop.ir import (
     Block,
     Buffer,
     Const,
-    Expr,
     For,
     ForKind,
-    Prefetch,
     PrimFunc,
     Stmt,
-    minimum,
-    seq,
 )
-from compiler_core.loop.simplify import simplify_expr
+from compiler_core.loop.transform import replace_stmt
+from compiler_core.schedule.primitives import CACHE_LINE_BYTES, spread_prefetches
 
 # Weights below this come in fast enough on their own (the hardware prefetchers and the
 # kernel's own `PrefetchNext` cover them). Up to RESIDENT_BYTES (what two cores' L2 hold)
@@ -75,7 +72,6 @@ EVICTING_BYTES = 4 << 20
 # At most this many lines prefetched at once: more in a row fill the core's miss buffers and
 # stall the loop they sit in instead of overlapping it.
 MAX_LINES_PER_STEP = 8
-CACHE_LINE_BYTES = 64
 # Loops a prefetch may sit in, or be spread over (never a vector loop).
 _SPREAD_KINDS = (ForKind.SERIAL, ForKind.UNROLLED, ForKind.PARALLEL)
 
@@ -101,7 +97,7 @@ def plan(
     one per leading parameter), floating-point work `flops`, and `weights` the names of the
     constant inputs (the weights blob's)."""
     own = _own_weight_bytes(funcs, inputs, weights)
-    budgets = prefetch_budgets(funcs, inputs, flops, weights)
+    budgets = [_budget(*args) for args in zip(funcs, flops, own, strict=True)]
     prefetches = []
     for index, names in enumerate(inputs):
         for value, buffer in zip(names, funcs[index].params, strict=False):
@@ -181,25 +177,14 @@ def add_prefetch(
     name = next(f"prefetch{k}" for k in range(len(taken) + 1) if f"prefetch{k}" not in taken)
     buffer = Buffer(name, source.shape, source.dtype)
     itemsize = source.nbytes // max(source.size, 1)
-    per_line = max(1, CACHE_LINE_BYTES // itemsize)
     first, span = start // itemsize, -(-nbytes // itemsize)
-    lines = -(-span // per_line)
-    path = _spread_path(func.body, lines)
+    path = _spread_path(func.body, -(-span // max(1, CACHE_LINE_BYTES // itemsize)))
     if not path:
         raise ValueError(f"{func.name}: no serial or parallel loop to spread prefetches over")
-    at = path[-1]
-    step: Expr = Const(0, INDEX)
-    for loop in path:
-        step = step * loop.extent + loop.var
-    per_step = -(-lines // math.prod(loop.extent for loop in path))
-    last = Const(min(first + span, source.size) - 1, INDEX)
-    hints = [
-        Prefetch(buffer, simplify_expr(minimum((step * per_step + k) * per_line + first, last)))
-        for k in range(per_step)
-    ]
-    new = For(at.var, at.extent, seq(*hints, at.body), at.kind)
+    new = spread_prefetches(buffer, Const(first, INDEX), span, path)
     params = (*func.params[:position], buffer, *func.params[position:])
-    return dataclasses.replace(func, params=params, body=_replace(func.body, at, new))
+    body = replace_stmt(func.body, path[-1], new)
+    return dataclasses.replace(func, params=params, body=body)
 
 
 def _spread_path(body: Stmt, lines: float) -> list[For]:
@@ -237,16 +222,3 @@ def _direct(s: Stmt) -> list[Stmt]:
     if isinstance(s, Allocate):
         return _direct(s.body)
     return [s]
-
-
-def _replace(s: Stmt, old: For, new: For) -> Stmt:
-    """`s` with the loop `old` (by identity) replaced by `new`."""
-    if s is old:
-        return new
-    if isinstance(s, Block):
-        return Block(tuple(_replace(c, old, new) for c in s.stmts))
-    if isinstance(s, Allocate):
-        return dataclasses.replace(s, body=_replace(s.body, old, new))
-    if isinstance(s, For):
-        return dataclasses.replace(s, body=_replace(s.body, old, new))
-    return s

@@ -29,8 +29,9 @@ import math
 
 import numpy as np
 
-from compiler_core.graph.ir import Graph, NameGenerator, Node, TensorType
+from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.kernels.schedules import NCHWC_TILE
+from compiler_core.passes.rewrite import Rewrite
 
 NAME = "decompose_conv_transpose"
 # Lift 1-D transposed convolutions to 2-D (unit H) so that their phase Conv is blocked.
@@ -110,19 +111,10 @@ def phase_weight(w: np.ndarray, strides, group: int) -> np.ndarray:
     return np.ascontiguousarray(moved.reshape(group * per_group * phases, channels // group, *taps))
 
 
-class _Rewriter:
+class _Rewriter(Rewrite):
     def __init__(self, graph: Graph):
-        self.graph = graph
-        self.constants = dict(graph.constants)
-        self.types = dict(graph.types)
-        self.fresh = NameGenerator(graph.names())
+        super().__init__(graph)
         self.nodes: list[Node] = []
-
-    def constant(self, array: np.ndarray, prefix: str) -> str:
-        name = self.fresh(prefix)
-        self.constants[name] = array
-        self.types[name] = TensorType.of(array)
-        return name
 
     def emit(self, op: str, name: str, inputs, out_shape, dtype, output=None, **attrs) -> str:
         output = output or self.fresh(f"{name}_out")

@@ -67,9 +67,7 @@ def _axis(node: Node, rank: int, default: int) -> int:
 def _one_dimensional(rw: _Round, gather: Node) -> list[Node] | None:
     """Gather(x, scalar i) -> Reshape(Gather(x, [i])): the form that moves."""
     indices = gather.inputs[1]
-    listed = rw.fresh(f"{indices}_listed")
-    rw.constants[listed] = rw.constants[indices].reshape(1)
-    rw.types[listed] = TensorType.of(rw.constants[listed])
+    listed = rw.constant(rw.constants[indices].reshape(1), f"{indices}_listed")
     data = gather.inputs[0]
     axis = _axis(gather, rw.types[data].rank, 0)
     picked, out = rw.gather(data, listed, axis, gather.name)
@@ -214,9 +212,7 @@ def _slice_as_gather(rw: _Round, node: Node) -> Node | None:
     kept = np.arange(shape[axis], dtype=np.int64)[index[axis]]
     if kept.size == 0:
         return None
-    indices = rw.fresh(f"{node.name}_rows")
-    rw.constants[indices] = kept
-    rw.types[indices] = TensorType.of(kept)
+    indices = rw.constant(kept, f"{node.name}_rows")
     return Node("Gather", node.name, (node.inputs[0], indices), node.outputs, {"axis": axis})
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind
+import numpy as np
+
+from compiler_core.graph.ir import Graph, NameGenerator, Node, OpKind, TensorType
 from compiler_core.graph.ops import OP_TABLE
 
 # Elementwise kinds whose operands do not broadcast numpy-style against the output (they carry
@@ -34,6 +36,14 @@ class Rewrite:
         self.types = dict(graph.types)
         self.constants = dict(graph.constants)
         self.fresh = NameGenerator(graph.names())
+
+    def constant(self, array, prefix: str) -> str:
+        """A new constant holding `array`, named after `prefix`."""
+        array = np.asarray(array)
+        name = self.fresh(prefix)
+        self.constants[name] = array
+        self.types[name] = TensorType.of(array)
+        return name
 
     def single_consumer(self, value: str) -> bool:
         """Whether one node reads `value` and it is not a graph output."""

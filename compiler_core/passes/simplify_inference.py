@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from compiler_core.graph.ir import Graph, Node, TensorType
+from compiler_core.graph.ir import Graph, Node
 from compiler_core.passes.rewrite import Rewrite, forward_values
 
 NAME = "simplify_inference"
@@ -34,12 +34,6 @@ class _Rewriter(Rewrite):
         self.removed: set[str] = set()
         self.forward: dict[str, str] = {}
         self.after: dict[str, Node] = {}  # node name -> a node inserted right after it
-
-    def constant(self, array: np.ndarray, prefix: str) -> str:
-        name = self.fresh(prefix)
-        self.constants[name] = np.asarray(array)
-        self.types[name] = TensorType.of(np.asarray(array))
-        return name
 
     def value(self, name: str) -> np.ndarray | None:
         return self.constants.get(name) if name else None

@@ -116,10 +116,7 @@ def _laid_out(rw: _Round, node: Node, position: int, source: TensorType, out: Te
             constant = _constant_along_kept_axes(rw, value, source, out)
             if constant is None:
                 return None, []
-            laid_out = rw.fresh(f"{value}_as_{constant.ndim}d")
-            rw.constants[laid_out] = constant
-            rw.types[laid_out] = TensorType.of(constant)
-            operands.append(laid_out)
+            operands.append(rw.constant(constant, f"{value}_as_{constant.ndim}d"))
         elif (
             (reshaped := _reshaped_input(rw, value))
             and rw.types[reshaped].shape == source.shape

@@ -156,25 +156,19 @@ def _part(rw: Rewrite, gemm: _Gemm, a: str, weights: str, bias, start, stop, par
     name = gemm.matmul.name
     dtype = rw.types[gemm.output].dtype
     rows = rw.types[gemm.output].shape[0]
-    w = _constant(rw, rw.constants[weights][:, start:stop], f"{weights}_cols_{start}")
+    columns = np.ascontiguousarray(rw.constants[weights][:, start:stop])
+    w = rw.constant(columns, f"{weights}_cols_{start}")
     product = rw.fresh(f"{gemm.matmul.outputs[0]}_cols_{start}")
     rw.types[product] = TensorType((rows, stop - start), dtype)
     parts.append(Node("MatMul", rw.fresh(f"{name}_cols_{start}"), (a, w), (product,)))
     if bias is None:
         return product
     b = rw.constants[bias]
-    b = _constant(rw, b[..., start:stop], f"{bias}_cols_{start}")
+    b = rw.constant(np.ascontiguousarray(b[..., start:stop]), f"{bias}_cols_{start}")
     out = rw.fresh(f"{gemm.output}_cols_{start}")
     rw.types[out] = TensorType((rows, stop - start), dtype)
     parts.append(Node("Add", rw.fresh(f"{gemm.bias.name}_cols_{start}"), (product, b), (out,)))
     return out
-
-
-def _constant(rw: Rewrite, array: np.ndarray, prefix: str) -> str:
-    name = rw.fresh(prefix)
-    rw.constants[name] = np.ascontiguousarray(array)
-    rw.types[name] = TensorType.of(rw.constants[name])
-    return name
 
 
 def run(graph: Graph) -> Graph:

@@ -1257,7 +1257,16 @@ def prefetch_next(func: PrimFunc, r: PrefetchNext) -> PrimFunc:
     if at.kind not in (ForKind.SERIAL, ForKind.UNROLLED):
         raise ScheduleError(f"{r}: {r.at!r} is {at.kind.value}; prefetches go in a serial loop")
     start, span = _next_slice(loop, buffer, r)
-    steps = [*path, at]  # the loops whose iterations the slice's lines are spread over
+    new = spread_prefetches(buffer, start, span, [*path, at])
+    return _with_body(func, replace_stmt(func.body, at, new))
+
+
+def spread_prefetches(buffer: Buffer, start: Expr, span: int, steps: Sequence[For]) -> For:
+    """The last loop of `steps` (outermost first, each inside the one before) with
+    prefetches of the `span` elements of `buffer` from `start` at the top of its body: their
+    lines spread evenly over the iterations of all `steps`, a few per iteration, never past
+    the span or the buffer."""
+    at = steps[-1]
     step: Expr = Const(0, INDEX)
     for s in steps:
         step = step * s.extent + s.var
@@ -1267,8 +1276,7 @@ def prefetch_next(func: PrimFunc, r: PrefetchNext) -> PrimFunc:
     last = minimum(start + (span - 1), buffer.size - 1)  # the slice's end, inside the buffer
     offsets = (start + (step * per_step + k) * per_line for k in range(per_step))
     prefetches = [Prefetch(buffer, simplify_expr(minimum(offset, last))) for offset in offsets]
-    new = For(at.var, at.extent, seq(*prefetches, at.body), at.kind)
-    return _with_body(func, replace_stmt(func.body, at, new))
+    return For(at.var, at.extent, seq(*prefetches, at.body), at.kind)
 
 
 def _next_slice(loop: For, buffer: Buffer, record) -> tuple[Expr, int]:
