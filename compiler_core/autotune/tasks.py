@@ -52,6 +52,8 @@ class Task:
     algorithms: tuple[str, ...] = ()
     default_algorithm: str = ""
     lower: Callable[[str], Variant] | None = dataclasses.field(default=None, repr=False)
+    # The builders' name for the choice (`KernelContext.choice`): a conv's or a GEMM's.
+    choice: str = "conv_algorithm"
     _lowered: dict[str, Variant] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -101,7 +103,7 @@ class Task:
         if not self.algorithms:
             return {}
         algorithm = dict(config or self.default_config()).get(ALGORITHM) or DIRECT
-        return {"conv_algorithm": algorithm}
+        return {self.choice: algorithm}
 
     def default_config(self) -> dict[str, object]:
         """The untuned point: the default algorithm and its template's default knobs."""
@@ -184,7 +186,8 @@ def extract_tasks(graph: Graph, target: Target | None = None) -> list[Task]:
         algorithms = () if target.is_gpu else tuple(tunable.anchor.note("algorithms", ()))
         if len(algorithms) < 2:
             algorithms = ()
-        lower = functools.partial(_lower_variant, graph, group, index, target)
+        choice = tunable.anchor.note("algorithm_choice", "conv_algorithm")
+        lower = functools.partial(_lower_variant, graph, group, index, target, choice)
         default = tunable.anchor.note("algorithm", "") if algorithms else ""
         # A group's identity is its direct algorithm's lowering: a change of the default
         # algorithm keeps its key, and its records.
@@ -194,16 +197,18 @@ def extract_tasks(graph: Graph, target: Target | None = None) -> list[Task]:
             tasks[key].groups.append(group.name)
             continue
         task = Task(key, workload, lowered, tunable, [group.name], flops_of(direct.tunable),
-                    algorithms, default, lower)  # fmt: skip
+                    algorithms, default, lower, choice=choice)  # fmt: skip
         if algorithms:  # the two lowerings made here are the variants of their algorithms
             task._lowered.update({default: Variant(lowered, tunable), DIRECT: direct})
         tasks[key] = task
     return sorted(tasks.values(), key=lambda t: -t.flops * t.weight)
 
 
-def _lower_variant(graph: Graph, group, index: int, target: Target, algorithm: str) -> Variant:
-    """The group lowered with its conv told to run `algorithm`."""
-    lowered = lower_group(graph, group, index, target, {"conv_algorithm": algorithm})
+def _lower_variant(
+    graph: Graph, group, index: int, target: Target, choice: str, algorithm: str
+) -> Variant:
+    """The group lowered with its anchor's builder told (its `choice`) to run `algorithm`."""
+    lowered = lower_group(graph, group, index, target, {choice: algorithm})
     tunable = tunable_of(lowered.stages, target)
     if tunable is None:
         raise ValueError(f"{lowered.name}: no template for its {algorithm} form")

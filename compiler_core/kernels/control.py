@@ -41,6 +41,7 @@ class BodyContext(KernelContext):
         self.target, self.prefix = outer.target, outer.prefix
         self.inputs, self.packed_arrays = outer.inputs, outer.packed_arrays
         self.stage_ops, self.notes = outer.stage_ops, outer.notes
+        self.choices = {}  # the tuner's choices are the loop kernel's, not its body nodes'
         self.tensors = dict(bound)
         self.captured = dict(captured)  # body input -> the outer value the loop passes in
         self.loop = loop

@@ -21,6 +21,13 @@ from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
 from compiler_core.kernels.injective import clamp, unflatten
 from compiler_core.kernels.schedules import GEMM_COLUMN_STEP, gemm_row_tile, nchwc_row_width
+from compiler_core.kernels.strassen import (
+    STRASSEN,
+    combined_weights,
+    gemm_algorithms,
+    input_sums,
+    output_sums,
+)
 from compiler_core.kernels.winograd import (
     conv_algorithms,
     default_algorithm,
@@ -459,6 +466,22 @@ def _panel_weights(ctx: KernelContext, value: str, transpose: bool, scale: float
     return packed_panels(ctx, value, f"panel{{}}{'t' if transpose else ''}", matrix)
 
 
+def _batched_panel_weights(ctx: KernelContext, value: str, transpose: bool):
+    """A constant [..., K, N] (or [..., N, K]) stack of matrices as [..., N/P, K, P] panels."""
+    stack = ctx.constant(value)
+    stack = np.swapaxes(stack, -1, -2) if transpose else stack
+    *batch, k, n = stack.shape
+    width = panel_width(n, ctx.target.vector_lanes)
+    padded_n = -(-n // width) * width
+    if padded_n != n:
+        pad = [(0, 0)] * (len(batch) + 1) + [(0, padded_n - n)]
+        stack = np.pad(stack, pad)
+    panels = stack.reshape(*batch, k, padded_n // width, width)
+    panels = np.moveaxis(panels, -2, -3)
+    label = f"bpanel{width}{'t' if transpose else ''}"
+    return ctx.packed(value, label, panels), width
+
+
 def packed_panels(ctx: KernelContext, source: str, label: str, matrix: np.ndarray):
     """A build-time [K, N] matrix (a transform of constant `source`) as [N/P, K, P] panels
     and the panel width P; `label` names the packing, with `{}` standing for P."""
@@ -513,6 +536,9 @@ def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale:
     if ctx.is_constant(value) and ctx.type(value).rank == 2:
         panels, width = _panel_weights(ctx, value, transpose, scale)
         return (lambda batch, kk, j: _panel_read(panels, width, kk, j)), width, None
+    if ctx.is_constant(value) and ctx.type(value).rank > 2 and scale == 1.0:
+        panels, width = _batched_panel_weights(ctx, value, transpose)
+        return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, None
     b = ctx.tensor(value)
     panels, width = _runtime_panels(ctx, node, b, transpose)
     ctx.note(panels.name, materialize=True)
@@ -610,9 +636,14 @@ def _matmul(ctx: KernelContext, node: Node):
     a_vector = a_type.rank == 1
     out_shape = (*out.shape[:-1], 1, out.shape[-1]) if a_vector else out.shape
     a = ctx.tensor(node.inputs[0])
+    one_matrix = not a_vector and math.prod(out.shape[:-2]) == 1
+    algorithms = _gemm_algorithms(ctx, node.inputs[1], out_shape, a_type.shape[-1], one_matrix)
+    if _gemm_algorithm(ctx, node, algorithms) == STRASSEN:
+        lead = (Const(0, INDEX),) * (a_type.rank - 2)
+        return _strassen(ctx, node, lambda i, k: a[(*lead, i, k)], False, 1.0, None, algorithms)
     kk = reduce_axis(a_type.shape[-1], "rk")
     b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
-    b_batch = b_type.shape[:-2] if pack else ()
+    b_batch = b_type.shape[:-2]
     batch_shape, rows = out_shape[:-2], out_shape[-2]
     a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
     shape = _tiled_shape(ctx, out_shape, width, a_row_bytes, pack)
@@ -626,6 +657,7 @@ def _matmul(ctx: KernelContext, node: Node):
         return reduce_sum(a[(*a_index, kk)] * b_read, kk)
 
     product = _dense_stage(ctx, node, shape, body, out_shape, width, pack, a_row_bytes=a_row_bytes)
+    _note_algorithms(ctx, product, algorithms)
     if a_vector:  # drop the unit row (and any padded columns)
         return [
             compute(
@@ -704,13 +736,87 @@ def _qlinear_matmul(ctx: KernelContext, node: Node):
     return compute(out.shape, requantize, ctx.stage_name(node), out.dtype)
 
 
+def _gemm_algorithms(ctx: KernelContext, b_value: str, out_shape, depth: int, plain_a: bool):
+    """The algorithms a GEMM can run: Strassen's needs constant 2-D weights and one plain
+    [rows, K] A (see kernels/strassen.py)."""
+    if not (plain_a and ctx.is_constant(b_value) and ctx.type(b_value).rank == 2):
+        return ("direct",)
+    rows, columns = out_shape[-2], out_shape[-1]
+    return gemm_algorithms(rows, depth, columns, ctx.target.vector_lanes)
+
+
+def _gemm_algorithm(ctx: KernelContext, node: Node, algorithms: tuple[str, ...]) -> str:
+    """The tuner's choice among `algorithms` (untuned: the direct GEMM)."""
+    chosen = ctx.choice("gemm_algorithm", "direct")
+    if chosen not in algorithms:
+        raise KernelError(f"node {node.name!r}: no {chosen!r} GEMM (it can run {algorithms})")
+    return chosen
+
+
+def _note_algorithms(ctx: KernelContext, product: Tensor, algorithms: tuple[str, ...]) -> None:
+    """Tell the tuner a direct GEMM stage can run other algorithms (its `algorithm` knob)."""
+    if len(algorithms) > 1:
+        notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
+        ctx.note(product.name, **notes, algorithm="direct")
+
+
+def _strassen(ctx, node, a_at, transpose, scale: float, bias_at, algorithms) -> list[Tensor]:
+    """A GEMM by constant weights (input 1) as one level of Strassen's algorithm: the sums of
+    A's blocks, the seven products by the build-time sums of B's blocks as one batched GEMM
+    (the group's anchor), and the output blocks' sums of products."""
+    out = ctx.type(node.outputs[0])
+    matrix = ctx.constant(node.inputs[1])
+    matrix = matrix.T if transpose else matrix
+    if scale != 1.0:
+        matrix = matrix * np.asarray(scale, matrix.dtype)
+    depth, columns = matrix.shape
+    rows, dtype = out.shape[-2], out.dtype
+    sums = input_sums(ctx, node, a_at, rows, depth, dtype)
+    combined = combined_weights(matrix)  # [7, K/2, N/2]
+    half_rows, half_depth, half_columns = rows // 2, depth // 2, columns // 2
+    width = panel_width(half_columns, ctx.target.vector_lanes)
+    panels = combined.reshape(-1, half_depth, half_columns // width, width).transpose(0, 2, 1, 3)
+    label = f"strassen{width}{'t' if transpose else ''}"
+    packed = ctx.packed(node.inputs[1], label, panels)
+    real = (len(combined), half_rows, half_columns)
+    row_bytes = half_depth * np.dtype(dtype).itemsize
+    shape = _tiled_shape(ctx, real, width, row_bytes)
+    kk = reduce_axis(half_depth, "rk")
+
+    def body(p, i, j):
+        a_read = sums[(p, _row(i, half_rows, shape[-2]), kk)]
+        return reduce_sum(a_read * _panel_read(packed, width, kk, j, (p,)), kk)
+
+    product = _dense_stage(ctx, node, shape, body, real, width, None, dtype, row_bytes)
+    notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
+    ctx.note(product.name, **notes, algorithm=STRASSEN)
+    return [output_sums(ctx, node, product, out.shape, bias_at, dtype)]
+
+
+def _gemm_bias(ctx: KernelContext, node: Node, beta: float):
+    """beta * C at an output position (i, j): a Gemm's third input, broadcast."""
+    c, out = ctx.tensor(node.inputs[2]), ctx.type(node.outputs[0])
+
+    def at(i, j):
+        term = c[broadcast_index(c.shape, out.shape, (i, j))]
+        return term * Const(beta, out.dtype) if beta != 1.0 else term
+
+    return at
+
+
 def _gemm(ctx: KernelContext, node: Node):
     a_value, b_value = node.inputs[0], node.inputs[1]
     out = ctx.type(node.outputs[0])
     alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 1.0)
     trans_a, trans_b = node.attr("transA", 0), node.attr("transB", 0)
     a = ctx.tensor(a_value)
-    kk = reduce_axis(ctx.type(a_value).shape[0 if trans_a else 1], "rk")
+    depth = ctx.type(a_value).shape[0 if trans_a else 1]
+    has_c = len(node.inputs) > 2 and node.inputs[2]
+    algorithms = _gemm_algorithms(ctx, b_value, out.shape, depth, not trans_a)
+    if _gemm_algorithm(ctx, node, algorithms) == STRASSEN:
+        bias_at = _gemm_bias(ctx, node, beta) if has_c else None
+        return _strassen(ctx, node, lambda i, k: a[i, k], trans_b, alpha, bias_at, algorithms)
+    kk = reduce_axis(depth, "rk")
     b_at, width, pack = _dense_b(ctx, node, b_value, transpose=bool(trans_b), scale=alpha)
     if pack is None:  # alpha is folded into the constant panels
         alpha = 1.0
@@ -725,7 +831,7 @@ def _gemm(ctx: KernelContext, node: Node):
         return reduce_sum(a_at * b_at((), kk, j), kk)
 
     product = _dense_stage(ctx, node, shape, body, out.shape, width, pack, a_row_bytes=a_row_bytes)
-    has_c = len(node.inputs) > 2 and node.inputs[2]
+    _note_algorithms(ctx, product, algorithms)
     if not has_c and alpha == 1.0:
         return [_cropped(ctx, node, product, out.shape)]
     c = ctx.tensor(node.inputs[2]) if has_c else None

@@ -1061,6 +1061,40 @@ def winograd_output_schedule(
     return [*records, rows, Parallel(rows.fused)]
 
 
+def strassen_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
+    """The sums of A's blocks, [7, rows/2, K/2] (kernels/strassen.py): per row, the seven
+    products unrolled (each its own sum of one or two blocks), K in vectors; parallel over
+    the rows."""
+    p, i, k = (stage.loop(d) for d in range(3))
+    return [
+        Reorder((i, p, k)),
+        Unroll(p),
+        *_vectorized(_vector_split(k, stage.shape[2], target)),
+        Parallel(i),
+    ]
+
+
+def strassen_output_schedule(
+    stage: StageInfo, epilogue: StageInfo | None, target: Target
+) -> list[Record]:
+    """C from the seven products (kernels/strassen.py): per row of the top blocks, the 2 x 2
+    blocks unrolled (each its own sum of two to four products, for the row and the one
+    rows/2 below it), the columns in vectors, the epilogue applied before the store; parallel
+    over those rows."""
+    half_rows, half_columns = stage.note("strassen_output")
+    rank = len(stage.shape)
+    i, j = stage.loop(rank - 2), stage.loop(rank - 1)
+    block_rows, block_columns = Split(i, half_rows), Split(j, half_columns)
+    vectors = _vector_split(block_columns.inner, half_columns, target)
+    lead = [stage.loop(d) for d in range(rank - 2)]
+    order = (*lead, block_rows.inner, block_rows.outer, block_columns.outer, block_columns.inner)
+    records: list[Record] = [block_rows, block_columns, Reorder(order)]
+    records += [Unroll(block_rows.outer), Unroll(block_columns.outer), *_vectorized(vectors)]
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    return [*records, Parallel(block_rows.inner)]
+
+
 def _unrolled_vectors(at: ComputeAt, rank: int) -> list[Record]:
     """A stage computed at a loop (`at`): its two tile axes unrolled, its channel axis (the
     last) one vector."""
@@ -1655,6 +1689,13 @@ def schedule_for(
         elif stage.note("winograd_output"):
             records += winograd_output_schedule(stage, epilogue, target)
             handled |= {stage.name, stage.note("winograd_columns")}
+        elif stage.note("strassen_input"):
+            records += strassen_input_schedule(stage, target)
+            handled.add(stage.name)
+            continue
+        elif stage.note("strassen_output"):
+            records += strassen_output_schedule(stage, epilogue, target)
+            handled.add(stage.name)
         elif stage.note("vector_inner") and stage.shape[-1] > 1 and _reduces(stage):
             records += inner_vector_reduction_schedule(stage, epilogue, target)
             handled.add(stage.name)

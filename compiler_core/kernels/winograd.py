@@ -89,7 +89,7 @@ def transformed_filters(weights: np.ndarray, transform: WinogradTransform) -> np
     return u.reshape(alpha * alpha, *weights.shape[:2]).astype(weights.dtype)
 
 
-def _sparse_sum(coefficients, terms: list[Expr], dtype: str) -> Expr:
+def sparse_sum(coefficients, terms: list[Expr], dtype: str) -> Expr:
     """sum(c * t) over the nonzero coefficients, with no multiply for +-1."""
     total = None
     for c, term in zip(coefficients, terms, strict=True):
@@ -104,7 +104,7 @@ def _sparse_sum(coefficients, terms: list[Expr], dtype: str) -> Expr:
     return total if total is not None else Const(0.0, dtype)
 
 
-def _choose(index: Expr, cases: list[Expr]) -> Expr:
+def select_case(index: Expr, cases: list[Expr]) -> Expr:
     """cases[index] as a chain of selects on a small index (constant once its loop unrolls)."""
     chosen = cases[-1]
     for k in range(len(cases) - 2, -1, -1):
@@ -162,7 +162,7 @@ def winograd_conv(
     def input_rows(n, cb, tile, a, nu, ci):  # (d B)[a, nu]: B's columns are B^T's rows
         row, col = tile_origin(tile)
         window = [padded_input[(n, cb, row + a, col + Const(b, INDEX), ci)] for b in range(alpha)]
-        return _choose(nu, [_sparse_sum(t.bt[k], window, dtype) for k in range(alpha)])
+        return select_case(nu, [sparse_sum(t.bt[k], window, dtype) for k in range(alpha)])
 
     rows = compute(
         (n_batch, in_blocks, grid.tiles, alpha, alpha, data_block),
@@ -175,7 +175,7 @@ def winograd_conv(
         eps = Binary("floordiv", p, Const(alpha, INDEX))
         nu = Binary("mod", p, Const(alpha, INDEX))
         column = [rows[(n, cb, tile, Const(a, INDEX), nu, ci)] for a in range(alpha)]
-        return _choose(eps, [_sparse_sum(t.bt[k], column, dtype) for k in range(alpha)])
+        return select_case(eps, [sparse_sum(t.bt[k], column, dtype) for k in range(alpha)])
 
     v = compute(
         (n_batch, positions, in_blocks, grid.tiles, data_block),
@@ -216,7 +216,7 @@ def winograd_conv(
             gemm[(n, (eps * alpha + Const(nu, INDEX)) * Const(out_blocks, INDEX) + mo, tile, mi)]
             for nu in range(alpha)
         ]
-        return _choose(j, [_sparse_sum(t.at[k], products, dtype) for k in range(m)])
+        return select_case(j, [sparse_sum(t.at[k], products, dtype) for k in range(m)])
 
     columns = compute(
         (n_batch, out_blocks, grid.tiles, alpha, m, block),
@@ -231,7 +231,7 @@ def winograd_conv(
             "floordiv", w, Const(m, INDEX)
         )
         column = [columns[(n, mo, tile, Const(eps, INDEX), j, mi)] for eps in range(alpha)]
-        value = _choose(i, [_sparse_sum(t.at[k], column, dtype) for k in range(m)])
+        value = select_case(i, [sparse_sum(t.at[k], column, dtype) for k in range(m)])
         return value + bias[(mo, mi)] if bias is not None else value
 
     out = compute(out_shape, output_pixel, ctx.stage_name(node, prefix="wgout"), dtype)

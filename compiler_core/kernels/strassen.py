@@ -1,0 +1,128 @@
+"""One level of Strassen's algorithm for a GEMM by constant weights.
+
+C = A B with A, B and C split in 2 x 2 blocks takes seven block products instead of eight
+(Strassen, "Gaussian elimination is not optimal", 1969):
+
+    M[p] = (sum_a alpha[p, a] A_a) (sum_b beta[p, b] B_b)     p = 0..6
+    C_c  = sum_p gamma[p, c] M[p]
+
+The weights are constant, so the seven sums of B's blocks are made once, at build time (in
+float64, rounded once), as a Winograd conv's transformed filters are: what is left at run time
+is a pass over A (`strsa`: seven sums of its blocks, 7/4 of A), the seven products (one
+batched GEMM on the dense template: 7/8 of the direct GEMM's multiply-adds) and a pass that
+adds each output block from two to four of them (`strout`, which also carries the bias and
+the group's epilogue). It pays where the GEMM's time dwarfs those two passes (a batch of 64
+through a 1024-wide layer); the tuner decides (the `algorithm` knob), checking each
+candidate's output against the reference as it does every other.
+
+Block indices, row-major: 0 = (top, left), 1 = (top, right), 2 = (bottom, left), 3 = (bottom,
+right).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compiler_core.kernels.base import KernelContext
+from compiler_core.kernels.winograd import select_case, sparse_sum
+from compiler_core.loop.ir import INDEX, Binary, Const
+from compiler_core.te import Tensor, compute
+
+STRASSEN = "strassen"
+PRODUCTS = 7
+
+# Strassen's seven products: the blocks of A (alpha) and of B (beta) each one multiplies,
+# and the blocks of C (gamma) each one is added to.
+# (one row per product)
+ALPHA = (
+    (1, 0, 0, 1),  # M0 = (A0 + A3)(B0 + B3)
+    (0, 0, 1, 1),  # M1 = (A2 + A3) B0
+    (1, 0, 0, 0),  # M2 = A0 (B1 - B3)
+    (0, 0, 0, 1),  # M3 = A3 (B2 - B0)
+    (1, 1, 0, 0),  # M4 = (A0 + A1) B3
+    (-1, 0, 1, 0),  # M5 = (A2 - A0)(B0 + B1)
+    (0, 1, 0, -1),  # M6 = (A1 - A3)(B2 + B3)
+)
+BETA = (
+    (1, 0, 0, 1),
+    (1, 0, 0, 0),
+    (0, 1, 0, -1),
+    (-1, 0, 1, 0),
+    (0, 0, 0, 1),
+    (1, 1, 0, 0),
+    (0, 0, 1, 1),
+)
+GAMMA = (  # C0 = M0 + M3 - M4 + M6, C1 = M2 + M4, C2 = M1 + M3, C3 = M0 - M1 + M2 + M5
+    (1, 0, 0, 1),
+    (0, 0, 1, -1),
+    (0, 1, 0, 1),
+    (1, 0, 1, 0),
+    (-1, 1, 0, 0),
+    (0, 0, 0, 1),
+    (1, 0, 0, 0),
+)
+
+# The least multiply-adds for which a GEMM offers the algorithm: below it the two extra
+# passes cost about what the eighth product saves, and the tuner's time is better spent on
+# the knobs of the direct GEMM.
+STRASSEN_MIN_MACS = 1 << 24
+
+
+def gemm_algorithms(rows: int, depth: int, columns: int, lanes: int) -> tuple[str, ...]:
+    """ "direct", and "strassen" for a GEMM by constant weights large enough to gain from it
+    whose rows, depth and columns halve (the columns into whole panels of two vectors, so
+    that no product pads its columns)."""
+    halves = rows % 2 == 0 and depth % 2 == 0 and (columns // 2) % (2 * lanes) == 0
+    large = rows * depth * columns >= STRASSEN_MIN_MACS and min(rows, depth, columns) >= 16
+    return ("direct", STRASSEN) if halves and large and columns % 2 == 0 else ("direct",)
+
+
+def combined_weights(b: np.ndarray) -> np.ndarray:
+    """[K, N] weights -> [7, K/2, N/2]: each product's sum of B's blocks."""
+    k, n = b.shape
+    blocks = b.astype(np.float64).reshape(2, k // 2, 2, n // 2).transpose(0, 2, 1, 3)
+    blocks = blocks.reshape(4, k // 2, n // 2)
+    combined = np.einsum("pb,bkn->pkn", np.asarray(BETA, np.float64), blocks)
+    return combined.astype(b.dtype)
+
+
+def input_sums(ctx: KernelContext, node, a_at, rows: int, depth: int, dtype: str) -> Tensor:
+    """[7, rows/2, depth/2]: each product's sum of A's blocks; `a_at(i, k)` reads A. Its own
+    stage (read by every column tile of the products), scheduled by `strassen_input_schedule`
+    with the product loop unrolled, so each copy is its own one- or two-term sum."""
+    half_rows, half_depth = rows // 2, depth // 2
+
+    def body(p, i, k):
+        blocks = [
+            a_at(i + Const(r * half_rows, INDEX), k + Const(c * half_depth, INDEX))
+            for r in (0, 1)
+            for c in (0, 1)
+        ]
+        return select_case(p, [sparse_sum(ALPHA[q], blocks, dtype) for q in range(PRODUCTS)])
+
+    sums = compute((PRODUCTS, half_rows, half_depth), body, ctx.stage_name(node, "strsa"), dtype)
+    ctx.note(sums.name, materialize=True, strassen_input=True)
+    return sums
+
+
+def output_sums(ctx: KernelContext, node, product: Tensor, out_shape, bias_at, dtype) -> Tensor:
+    """C at the output's shape (leading axes of one) from the seven products ([7, >= rows/2,
+    columns/2]), plus `bias_at(i, j)` when given. Scheduled by `strassen_output_schedule`:
+    the block loops unrolled, so each copy reads its own two to four products."""
+    rows, columns = out_shape[-2], out_shape[-1]
+    half_rows, half_columns = rows // 2, columns // 2
+
+    def body(*index):
+        i, j = index[-2], index[-1]
+        block_row = Binary("floordiv", i, Const(half_rows, INDEX))
+        block_column = Binary("floordiv", j, Const(half_columns, INDEX))
+        row = Binary("mod", i, Const(half_rows, INDEX))
+        column = Binary("mod", j, Const(half_columns, INDEX))
+        products = [product[(Const(p, INDEX), row, column)] for p in range(PRODUCTS)]
+        cases = [sparse_sum([g[c] for g in GAMMA], products, dtype) for c in range(4)]
+        value = select_case(block_row * Const(2, INDEX) + block_column, cases)
+        return value + bias_at(i, j) if bias_at is not None else value
+
+    out = compute(tuple(out_shape), body, ctx.stage_name(node, "strout"), dtype)
+    ctx.note(out.name, materialize=True, strassen_output=(half_rows, half_columns))
+    return out

@@ -1,0 +1,210 @@
+"""One level of Strassen's algorithm for GEMMs by constant weights (kernels/strassen.py): the
+block identities against numpy in float64, the rule that offers the algorithm, whole Gemm and
+MatMul kernels built with it (through a tuning record, as the tuner's choice reaches a build)
+against ONNX Runtime, the tuner measuring it as a knob, and a choice a GEMM cannot take."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+import compiler_core
+from compiler_core.autotune.measure import MeasureOptions, Measurer
+from compiler_core.autotune.records import FileLog, TuningRecord
+from compiler_core.autotune.tasks import ALGORITHM, extract_tasks
+from compiler_core.build import lower_group
+from compiler_core.frontend.onnx import import_model
+from compiler_core.kernels.base import KernelError
+from compiler_core.kernels.schedules import default_schedule
+from compiler_core.kernels.strassen import (
+    ALPHA,
+    BETA,
+    GAMMA,
+    STRASSEN,
+    combined_weights,
+    gemm_algorithms,
+)
+from compiler_core.passes.pipeline import optimize
+from compiler_core.runtime import load
+from compiler_core.schedule.primitives import ReverseComputeInline
+from compiler_core.target import host_target
+from tests.conftest import FLOAT, assert_close_to_scale, make_model
+
+RNG = np.random.default_rng(31)
+
+
+def rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def blocks(x):
+    """[2r, 2c] -> the four [r, c] blocks, row-major."""
+    r, c = x.shape[0] // 2, x.shape[1] // 2
+    return [x[:r, :c], x[:r, c:], x[r:, :c], x[r:, c:]]
+
+
+def test_seven_products_make_the_block_product():
+    a, b = RNG.standard_normal((6, 8)), RNG.standard_normal((8, 10))
+    a_blocks, b_blocks = blocks(a), blocks(b)
+    products = [
+        sum(x * m for x, m in zip(alpha, a_blocks, strict=True))
+        @ sum(y * m for y, m in zip(beta, b_blocks, strict=True))
+        for alpha, beta in zip(ALPHA, BETA, strict=True)
+    ]
+    c_blocks = [sum(g[c] * m for g, m in zip(GAMMA, products, strict=True)) for c in range(4)]
+    c = np.block([[c_blocks[0], c_blocks[1]], [c_blocks[2], c_blocks[3]]])
+    np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12)
+    # The build-time sums of B's blocks are the products' right-hand factors.
+    combined = combined_weights(b.astype(np.float32))
+    for beta, factor in zip(BETA, combined, strict=True):
+        expected = sum(y * m for y, m in zip(beta, blocks(b), strict=True))
+        np.testing.assert_allclose(factor, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_rule_offers_strassen_to_large_gemms_that_halve():
+    both = ("direct", STRASSEN)
+    assert gemm_algorithms(64, 784, 1024, 16) == both  # MLP at batch 64
+    assert gemm_algorithms(128, 256, 1024, 16) == both
+    assert gemm_algorithms(63, 784, 1024, 16) == ("direct",)  # odd rows
+    assert gemm_algorithms(64, 785, 1024, 16) == ("direct",)  # odd depth
+    assert gemm_algorithms(64, 784, 1056, 16) == ("direct",)  # halves not whole panels
+    assert gemm_algorithms(64, 784, 1056, 8) == both  # ... of 16 columns, they are
+    assert gemm_algorithms(1, 784, 1024, 16) == ("direct",)  # one row
+    assert gemm_algorithms(128, 256, 256, 16) == ("direct",)  # too little work to gain
+    assert gemm_algorithms(64, 512, 512, 16) == both  # the least work that gains: 2^24 MACs
+    assert gemm_algorithms(64, 512, 510, 16) == ("direct",)
+
+
+def gemm_model(rows, depth, columns, trans_b=1, alpha=1.0, beta=1.0, bias_shape=(-1,), relu=True):
+    """Gemm by constant weights [+ bias] [-> Relu]; `bias_shape` None: no bias."""
+    w = rand(*((columns, depth) if trans_b else (depth, columns)), scale=depth**-0.5)
+    weights = {"w": w}
+    inputs = ["x", "w"]
+    if bias_shape is not None:
+        shape = tuple(columns if d == -1 else d for d in bias_shape)
+        weights["b"] = rand(*shape)
+        inputs.append("b")
+    attrs = {"transB": trans_b, "alpha": alpha, "beta": beta}
+    nodes = [helper.make_node("Gemm", inputs, ["y" if relu else "z"], **attrs)]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["y"], ["z"]))
+    return make_model(
+        nodes, [("x", FLOAT, [rows, depth])], [("z", FLOAT, [rows, columns])], weights
+    )
+
+
+def matmul_model(rows, depth, columns):
+    """MatMul of a [1, rows, depth] activation by constant weights, then Add of a bias."""
+    weights = {"w": rand(depth, columns, scale=depth**-0.5), "b": rand(columns)}
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["y"]),
+        helper.make_node("Add", ["y", "b"], ["z"]),
+    ]
+    return make_model(
+        nodes, [("x", FLOAT, [1, rows, depth])], [("z", FLOAT, [1, rows, columns])], weights
+    )
+
+
+CASES = {
+    "gemm_bias_relu": lambda: gemm_model(64, 512, 512),
+    "gemm_untransposed_scaled_matrix_bias": lambda: gemm_model(
+        32, 1024, 640, trans_b=0, alpha=0.5, beta=2.0, bias_shape=(32, -1)
+    ),
+    "gemm_no_bias_no_epilogue": lambda: gemm_model(48, 600, 768, bias_shape=None, relu=False),
+    # 40 rows: each product's 20 rows pad to a whole register tile.
+    "gemm_padded_product_rows": lambda: gemm_model(40, 800, 768),
+    "matmul_add": lambda: matmul_model(128, 256, 1024),
+}
+
+
+@pytest.fixture(scope="module")
+def measurer():
+    with Measurer(host_target(), MeasureOptions(repeats=2, min_repeat_seconds=0.001)) as m:
+        yield m
+
+
+def strassen_log(model, path, measurer=None):
+    """A tuning log whose record for every GEMM task that can run Strassen's algorithm picks
+    it (its template's default knobs), measured when `measurer` is given."""
+    target = host_target()
+    tasks = [t for t in extract_tasks(optimize(import_model(model)), target) if t.algorithms]
+    with FileLog(path) as log:
+        for task in tasks:
+            config = next(c for c in task.space() if c[ALGORITHM] == STRASSEN)
+            costs, error = (1e-6,), "ok"
+            if measurer is not None:
+                (result,) = measurer.measure(task, [config])
+                costs, error = result.costs, result.error
+            log.append(
+                TuningRecord(
+                    workload_key=task.key, workload=task.workload, target=str(target),
+                    fingerprint=target.fingerprint, template=task.template,
+                    template_version=task.template_version, config=config, costs=costs,
+                    error=error, error_detail="", flops=task.flops, compiler_version="test",
+                    timestamp=0.0,
+                )
+            )  # fmt: skip
+    return tasks
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_strassen_gemms_match_onnxruntime(name, tmp_path):
+    model = CASES[name]()
+    tasks = strassen_log(model, tmp_path / "t.jsonl")
+    assert len(tasks) == 1 and tasks[0].variants.keys() == {"direct", STRASSEN}, name
+    archive = compiler_core.compile(model, tuning=str(tmp_path / "t.jsonl"))
+    assert archive.manifest["verification"]["passed"], archive.manifest["verification"]
+    (note,) = [k for k in archive.manifest["kernels"].values() if isinstance(k, dict)]
+    assert note["config"][ALGORITHM] == STRASSEN
+    x = model.graph.input[0].type.tensor_type.shape.dim
+    feeds = {"x": rand(*(d.dim_value for d in x))}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(["z"], feeds)[0]
+    assert_close_to_scale(load(archive).run(feeds)["z"], expected, label=name)
+
+
+def strassen_stages(model):
+    graph = optimize(import_model(model), target=host_target())
+    (group,) = graph.groups
+    choices = {"gemm_algorithm": STRASSEN}
+    return lower_group(graph, group, 0, host_target(), choices).stages
+
+
+def test_the_epilogue_runs_in_the_output_sums():
+    """Bias and Relu are applied in the store of the pass that adds the output blocks, not in
+    a pass of their own; the sums of A's blocks and the seven products are stages of the one
+    kernel."""
+    stages = strassen_stages(gemm_model(64, 512, 512))
+    names = [s.name for s in stages]
+    assert any(n.startswith("strsa") for n in names), names
+    assert any(n.startswith("strout") for n in names), names
+    last = stages[-1].name
+    assert last.startswith("relu") and ReverseComputeInline(last) in default_schedule(
+        stages, host_target()
+    )
+
+
+def test_a_gemm_that_cannot_run_strassen_refuses_the_choice():
+    with pytest.raises(KernelError, match="no 'strassen' GEMM"):
+        strassen_stages(gemm_model(63, 512, 512))  # odd rows
+    with pytest.raises(KernelError, match="no 'winograd' GEMM"):
+        graph = optimize(import_model(gemm_model(64, 512, 512)), target=host_target())
+        lower_group(graph, graph.groups[0], 0, host_target(), {"gemm_algorithm": "winograd"})
+
+
+def test_the_tuner_measures_both_algorithms_against_the_reference(measurer, tmp_path):
+    """The algorithm is a knob of the GEMM's task: the default (direct) and Strassen configs
+    are built, checked against the reference and timed; the workload key is the direct
+    GEMM's, so records from before the knob still apply."""
+    model = gemm_model(64, 512, 512)
+    (task,) = extract_tasks(optimize(import_model(model)), host_target())
+    space = task.space()
+    assert space[0] == task.default_config() and space[0][ALGORITHM] == "direct"
+    strassen = [c for c in space if c[ALGORITHM] == STRASSEN]
+    assert strassen and len(strassen) < len(space)
+    results = measurer.measure(task, [space[0], *strassen[:2]])
+    assert [r.error for r in results] == ["ok"] * 3, results
+    tasks = strassen_log(model, tmp_path / "t.jsonl", measurer)
+    assert tasks[0].key == task.key
