@@ -241,7 +241,7 @@ def bench_gemm(m: int, k: int, n: int, threads: int, tuning: Path | None = None)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(MODEL_CASES))
+    parser.add_argument("--models", nargs="*", default=list(MODEL_CASES), choices=list(MODEL_CASES))
     parser.add_argument("--gemm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("bench/results.json"))
