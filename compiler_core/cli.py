@@ -373,10 +373,16 @@ def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
         return
     kept = [t for t in timings if t.kept_default]
     print(f"checked in the model: {len(timings)} tuned tasks, {len(kept)} keep their default")
-    for timing in kept:
+    for timing in timings:
+        if not timing.kept_default and timing.alternative_ms is None:
+            continue
+        alternative = ""
+        if timing.alternative_ms is not None:
+            algorithm = timing.alternative_config["algorithm"]
+            alternative = f", {algorithm} at its default knobs {timing.alternative_ms:.3f} ms"
         print(
             f"  task {tasks.index(timing.task)}: tuned {timing.tuned_ms:.3f} ms, default "
-            f"{timing.default_ms:.3f} ms in the model"
+            f"{timing.default_ms:.3f} ms{alternative} in the model"
         )
 
 

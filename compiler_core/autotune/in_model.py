@@ -12,18 +12,26 @@ model (per occurrence: the task's kernels summed over its groups, divided by the
 records flagged `in_model` alone decide a workload's best until a later search measures it
 again (`TuningLog.ranked`), so a task whose tuned config loses in the model is built with its
 default. The other tasks run as each build has them: tuned in one, default in the other.
+
+A task whose tuned config runs another algorithm than its default, at knobs other than that
+algorithm's defaults, gets a third candidate in a third build: its algorithm at its
+template's default knobs. Knobs that tie alone can part in the model (MLP's 64 x 784 x 1024
+layer as Strassen's algorithm: 8 x 16 tiles 402 us alone against 8 x 32 ones at 405, and 7%
+slower in the model, where the weights come from L3).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import tempfile
+from pathlib import Path
 
 from compiler_core.autotune.apply import tuned_schedules
 from compiler_core.autotune.measure import Result
-from compiler_core.autotune.records import TuningLog
+from compiler_core.autotune.records import FileLog, TuningLog
 from compiler_core.autotune.search import measured_record
-from compiler_core.autotune.tasks import Task, config_key
+from compiler_core.autotune.tasks import ALGORITHM, DIRECT, Task, config_key
 from compiler_core.graph.ir import Graph
 from compiler_core.runtime.module import load, random_inputs
 from compiler_core.target import Target
@@ -41,6 +49,9 @@ class InModelTiming:
     tuned_config: dict
     tuned: tuple[float, ...]
     default: tuple[float, ...]
+    # The tuned algorithm at its template's default knobs, when that is a third config.
+    alternative_config: dict | None = None
+    alternative: tuple[float, ...] = ()
 
     @property
     def tuned_ms(self) -> float:
@@ -51,8 +62,19 @@ class InModelTiming:
         return statistics.median(self.default) * 1e3
 
     @property
+    def alternative_ms(self) -> float | None:
+        return statistics.median(self.alternative) * 1e3 if self.alternative else None
+
+    @property
     def kept_default(self) -> bool:
-        return self.default_ms <= self.tuned_ms
+        return self.default_ms <= min(self.tuned_ms, self.alternative_ms or self.tuned_ms)
+
+    def candidates(self) -> list[tuple[dict, tuple[float, ...]]]:
+        """(config, in-model times) of each config timed."""
+        timed = [(self.tuned_config, self.tuned), (self.task.default_config(), self.default)]
+        if self.alternative_config is not None:
+            timed.append((self.alternative_config, self.alternative))
+        return timed
 
 
 def check_in_model(
@@ -86,18 +108,58 @@ def check_in_model(
         load(compile_graph(graph, target, verify=False, tuning=log), num_threads=threads),
         load(compile_graph(graph, target, verify=False), num_threads=threads),
     ]
+    alternatives = _algorithm_defaults(tasks, tuned)
+    if alternatives:
+        builds.append(_alternatives_build(graph, target, alternatives, measurer, threads))
     per_group = _profile_rounds(graph, builds, rounds)
     timings = []
     for task in tasks:
         if task.key not in tuned:
             continue
-        tuned_times, default_times = (
+        tuned_times, default_times, *alternative_times = (
             tuple(sum(r[g] for g in task.groups) / task.weight for r in per_group[k])
-            for k in range(2)
+            for k in range(len(builds))
         )
-        timings.append(InModelTiming(task, tuned[task.key], tuned_times, default_times))
+        timing = InModelTiming(task, tuned[task.key], tuned_times, default_times)
+        if task.key in alternatives:
+            timing.alternative_config = alternatives[task.key][1]
+            timing.alternative = alternative_times[0]
+        timings.append(timing)
     log.extend(_records(timings, measurer, compiler_version))
     return timings
+
+
+def _algorithm_defaults(tasks: list[Task], tuned: dict[str, dict]) -> dict[str, tuple]:
+    """{task key: (task, its tuned config's algorithm at its template's default knobs)} for
+    the tuned tasks where that is neither the tuned config nor the task's default."""
+    alternatives = {}
+    for task in tasks:
+        config = tuned.get(task.key)
+        if config is None or not task.algorithms:
+            continue
+        variant, _ = task.variant(config)
+        algorithm = config.get(ALGORITHM) or DIRECT
+        alternative = {ALGORITHM: algorithm, **variant.tunable.default_config()}
+        if config_key(alternative) not in (config_key(config), config_key(task.default_config())):
+            alternatives[task.key] = (task, alternative)
+    return alternatives
+
+
+def _alternatives_build(graph: Graph, target: Target, alternatives, measurer, threads):
+    """The model built with each alternative config (through a log of its own, which holds
+    nothing else) and every other task at its default."""
+    from compiler_core.compiler import compile_graph
+
+    with (
+        tempfile.TemporaryDirectory(prefix="kiln-in-model-") as tmp,
+        FileLog(Path(tmp) / "alternatives.jsonl") as log,
+    ):
+        log.extend(
+            measured_record(task, config, Result((1.0,)), measurer)
+            for task, config in alternatives.values()
+        )
+        archive = compile_graph(graph, target, verify=False, tuning=log)
+    return load(archive, num_threads=threads)
 
 
 def _profile_rounds(graph: Graph, builds, rounds: int) -> list[list[dict[str, float]]]:
@@ -120,10 +182,7 @@ def _records(timings: list[InModelTiming], measurer, compiler_version: str):
     records = []
     for timing in timings:
         task = timing.task
-        for config, costs in (
-            (timing.tuned_config, timing.tuned),
-            (task.default_config(), timing.default),
-        ):
+        for config, costs in timing.candidates():
             record = measured_record(task, config, Result(costs), measurer, compiler_version)
             records.append(dataclasses.replace(record, retimed=True, in_model=True))
     return records

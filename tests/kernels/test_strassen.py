@@ -208,3 +208,27 @@ def test_the_tuner_measures_both_algorithms_against_the_reference(measurer, tmp_
     assert [r.error for r in results] == ["ok"] * 3, results
     tasks = strassen_log(model, tmp_path / "t.jsonl", measurer)
     assert tasks[0].key == task.key
+
+
+def test_the_in_model_check_also_times_the_tuned_algorithm_at_its_default_knobs(measurer, tmp_path):
+    """A tuned config that runs Strassen's algorithm at other knobs than the template's
+    defaults: the in-model check times it, the direct default, and Strassen's default knobs
+    (a third build), and the fastest of the three in the model becomes the task's best."""
+    from compiler_core.autotune.in_model import check_in_model
+    from compiler_core.autotune.measure import Result
+    from compiler_core.autotune.search import measured_record
+
+    graph = optimize(import_model(gemm_model(64, 512, 512)))
+    (task,) = extract_tasks(graph, host_target())
+    variant, _ = task.variant({ALGORITHM: STRASSEN})
+    knobs_default = {ALGORITHM: STRASSEN, **variant.tunable.default_config()}
+    tuned = next(c for c in task.space() if c[ALGORITHM] == STRASSEN and c != knobs_default)
+    log = FileLog(tmp_path / "t.jsonl")
+    for config, cost in ((task.default_config(), 1e-3), (tuned, 1e-6)):
+        log.append(measured_record(task, config, Result((cost,)), measurer))
+    (timing,) = check_in_model(graph, host_target(), [task], log, measurer, rounds=2)
+    assert timing.alternative_config == knobs_default and len(timing.alternative) == 2
+    in_model = [r for r in log.records() if r.in_model]
+    assert [r.config for r in in_model] == [tuned, task.default_config(), knobs_default]
+    fastest = min(timing.candidates(), key=lambda c: np.median(c[1]))[0]
+    assert log.best(task.key, measurer.fingerprint).config == fastest
