@@ -230,6 +230,22 @@ def test_a_batched_b_stays_a_batched_matmul():
     check(model, {"a": w(4, 3, 8)})
 
 
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape"),
+    [([3, 13, 64], [3, 64, 40]), ([2, 7, 5], [1, 5, 197]), ([2, 2, 9, 24], [2, 1, 24, 33])],
+    ids=["per_batch", "broadcast_b", "4d_broadcast"],
+)
+def test_a_constant_batched_b_is_packed_into_panels_at_build_time(a_shape, b_shape):
+    """Each matrix of a constant [..., K, N] B becomes panels once, when the module is built:
+    the kernel has no packing stage (it used to pack B on every run)."""
+    model, feeds = matmul_model(a_shape, b_shape, b_constant=True, epilogue=True)
+    graph = optimize(import_model(model))
+    (task,) = extract_tasks(graph, parse_target("llvm"))
+    stages = [s.name for s in task.lowered.stages]
+    assert not any(name.startswith("pack") for name in stages), stages
+    check(model, feeds)
+
+
 def test_a_few_columns_are_one_panel_of_whole_vectors():
     """N = 10 on 8 lanes: one panel of 16 zero-padded columns (two whole vectors, cropped by
     the epilogue), not a 10-lane vector; N = 3 one vector; a multiple of two vectors or a wide
