@@ -636,11 +636,16 @@ def _matmul(ctx: KernelContext, node: Node):
     a_vector = a_type.rank == 1
     out_shape = (*out.shape[:-1], 1, out.shape[-1]) if a_vector else out.shape
     a = ctx.tensor(node.inputs[0])
-    one_matrix = not a_vector and math.prod(out.shape[:-2]) == 1
-    algorithms = _gemm_algorithms(ctx, node.inputs[1], out_shape, a_type.shape[-1], one_matrix)
+    # By a 2-D B, every row of every batch of A is a row of one GEMM.
+    rows_shape = (math.prod(out.shape[:-1]), out.shape[-1])
+    algorithms = _gemm_algorithms(ctx, node.inputs[1], rows_shape, a_type.shape[-1], not a_vector)
     if _gemm_algorithm(ctx, node, algorithms) == STRASSEN:
-        lead = (Const(0, INDEX),) * (a_type.rank - 2)
-        return _strassen(ctx, node, lambda i, k: a[(*lead, i, k)], False, 1.0, None, algorithms)
+        lead = a_type.shape[:-1]
+
+        def a_at(i, k):  # row i of the GEMM
+            return a[(*(unflatten(i, lead) if len(lead) > 1 else (i,)), k)]
+
+        return _strassen(ctx, node, a_at, False, 1.0, None, algorithms)
     kk = reduce_axis(a_type.shape[-1], "rk")
     b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
     b_batch = b_type.shape[:-2]
@@ -737,8 +742,8 @@ def _qlinear_matmul(ctx: KernelContext, node: Node):
 
 
 def _gemm_algorithms(ctx: KernelContext, b_value: str, out_shape, depth: int, plain_a: bool):
-    """The algorithms a GEMM can run: Strassen's needs constant 2-D weights and one plain
-    [rows, K] A (see kernels/strassen.py)."""
+    """The algorithms a GEMM of `out_shape` ([rows, columns]) can run: Strassen's needs
+    constant 2-D weights and a plain [..., K] A (see kernels/strassen.py)."""
     if not (plain_a and ctx.is_constant(b_value) and ctx.type(b_value).rank == 2):
         return ("direct",)
     rows, columns = out_shape[-2], out_shape[-1]
@@ -770,7 +775,7 @@ def _strassen(ctx, node, a_at, transpose, scale: float, bias_at, algorithms) -> 
     if scale != 1.0:
         matrix = matrix * np.asarray(scale, matrix.dtype)
     depth, columns = matrix.shape
-    rows, dtype = out.shape[-2], out.dtype
+    rows, dtype = math.prod(out.shape[:-1]), out.dtype
     sums = input_sums(ctx, node, a_at, rows, depth, dtype)
     combined = combined_weights(matrix)  # [7, K/2, N/2]
     half_rows, half_depth, half_columns = rows // 2, depth // 2, columns // 2

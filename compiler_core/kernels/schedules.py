@@ -1077,18 +1077,18 @@ def strassen_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
 def strassen_output_schedule(
     stage: StageInfo, epilogue: StageInfo | None, target: Target
 ) -> list[Record]:
-    """C from the seven products (kernels/strassen.py): per row of the top blocks, the 2 x 2
-    blocks unrolled (each its own sum of two to four products, for the row and the one
-    rows/2 below it), the columns in vectors, the epilogue applied before the store; parallel
-    over those rows."""
+    """C from the seven products (kernels/strassen.py), its leading loops fused into the
+    GEMM's rows: per row of the top blocks, the 2 x 2 blocks unrolled (each its own sum of
+    two to four products, for the row and the one rows/2 below it), the columns in vectors,
+    the epilogue applied before the store; parallel over those rows."""
     half_rows, half_columns = stage.note("strassen_output")
     rank = len(stage.shape)
-    i, j = stage.loop(rank - 2), stage.loop(rank - 1)
+    records, i = fuse_all([stage.loop(d) for d in range(rank - 1)])  # the GEMM's rows
+    j = stage.loop(rank - 1)
     block_rows, block_columns = Split(i, half_rows), Split(j, half_columns)
     vectors = _vector_split(block_columns.inner, half_columns, target)
-    lead = [stage.loop(d) for d in range(rank - 2)]
-    order = (*lead, block_rows.inner, block_rows.outer, block_columns.outer, block_columns.inner)
-    records: list[Record] = [block_rows, block_columns, Reorder(order)]
+    order = (block_rows.inner, block_rows.outer, block_columns.outer, block_columns.inner)
+    records += [block_rows, block_columns, Reorder(order)]
     records += [Unroll(block_rows.outer), Unroll(block_columns.outer), *_vectorized(vectors)]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))

@@ -21,6 +21,8 @@ right).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from compiler_core.kernels.base import KernelContext
@@ -106,14 +108,19 @@ def input_sums(ctx: KernelContext, node, a_at, rows: int, depth: int, dtype: str
 
 
 def output_sums(ctx: KernelContext, node, product: Tensor, out_shape, bias_at, dtype) -> Tensor:
-    """C at the output's shape (leading axes of one) from the seven products ([7, >= rows/2,
-    columns/2]), plus `bias_at(i, j)` when given. Scheduled by `strassen_output_schedule`:
-    the block loops unrolled, so each copy reads its own two to four products."""
-    rows, columns = out_shape[-2], out_shape[-1]
+    """C at the output's shape ([..., columns]: the GEMM's rows are its leading axes, flat)
+    from the seven products ([7, >= rows/2, columns/2]), plus `bias_at(i, j)` when given.
+    Scheduled by `strassen_output_schedule`: the block loops unrolled, so each copy reads
+    its own two to four products."""
+    rows, columns = math.prod(out_shape[:-1]), out_shape[-1]
     half_rows, half_columns = rows // 2, columns // 2
+    strides = [math.prod(out_shape[d + 1 : -1]) for d in range(len(out_shape) - 1)]
 
     def body(*index):
-        i, j = index[-2], index[-1]
+        i = index[0] * Const(strides[0], INDEX)
+        for axis, stride in zip(index[1:-1], strides[1:], strict=True):
+            i = i + axis * Const(stride, INDEX)
+        j = index[-1]
         block_row = Binary("floordiv", i, Const(half_rows, INDEX))
         block_column = Binary("floordiv", j, Const(half_columns, INDEX))
         row = Binary("mod", i, Const(half_rows, INDEX))

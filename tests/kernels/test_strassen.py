@@ -95,16 +95,15 @@ def gemm_model(rows, depth, columns, trans_b=1, alpha=1.0, beta=1.0, bias_shape=
     )
 
 
-def matmul_model(rows, depth, columns):
-    """MatMul of a [1, rows, depth] activation by constant weights, then Add of a bias."""
+def matmul_model(rows, depth, columns, batch=(1,)):
+    """MatMul of a [*batch, rows, depth] activation by constant weights, then Add of a bias."""
     weights = {"w": rand(depth, columns, scale=depth**-0.5), "b": rand(columns)}
     nodes = [
         helper.make_node("MatMul", ["x", "w"], ["y"]),
         helper.make_node("Add", ["y", "b"], ["z"]),
     ]
-    return make_model(
-        nodes, [("x", FLOAT, [1, rows, depth])], [("z", FLOAT, [1, rows, columns])], weights
-    )
+    x, z = [*batch, rows, depth], [*batch, rows, columns]
+    return make_model(nodes, [("x", FLOAT, x)], [("z", FLOAT, z)], weights)
 
 
 CASES = {
@@ -116,6 +115,10 @@ CASES = {
     # 40 rows: each product's 20 rows pad to a whole register tile.
     "gemm_padded_product_rows": lambda: gemm_model(40, 800, 768),
     "matmul_add": lambda: matmul_model(128, 256, 1024),
+    # Every row of every batch is a row of the GEMM: 2 x 64 rows, and 4 x 10 rows whose
+    # halves (20 rows, padded in the products) split the second batch.
+    "batched_matmul_add": lambda: matmul_model(64, 512, 512, batch=(2,)),
+    "batched_rows_split_a_batch": lambda: matmul_model(10, 1024, 1024, batch=(2, 2)),
 }
 
 
