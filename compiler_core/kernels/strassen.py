@@ -64,10 +64,13 @@ GAMMA = (  # C0 = M0 + M3 - M4 + M6, C1 = M2 + M4, C2 = M1 + M3, C3 = M0 - M1 + 
     (1, 0, 0, 0),
 )
 
-# The least multiply-adds for which a GEMM offers the algorithm: below it the two extra
-# passes cost about what the eighth product saves, and the tuner's time is better spent on
-# the knobs of the direct GEMM.
+# The least multiply-adds, and the least depth, for which a GEMM offers the algorithm: the
+# two extra passes cost O(rows x (depth + columns)), the eighth product it saves O(rows x
+# depth x columns). Below them the passes cost about what the product saves (untuned, 1024
+# rows: 256 deep, 1024 wide 1.02x the direct GEMM's time; 1024 deep, 256 wide 0.95x), and
+# the tuner's time is better spent on the direct GEMM's knobs.
 STRASSEN_MIN_MACS = 1 << 24
+STRASSEN_MIN_DEPTH = 512
 
 
 def gemm_algorithms(rows: int, depth: int, columns: int, lanes: int) -> tuple[str, ...]:
@@ -75,7 +78,8 @@ def gemm_algorithms(rows: int, depth: int, columns: int, lanes: int) -> tuple[st
     whose rows, depth and columns halve (the columns into whole panels of two vectors, so
     that no product pads its columns)."""
     halves = rows % 2 == 0 and depth % 2 == 0 and (columns // 2) % (2 * lanes) == 0
-    large = rows * depth * columns >= STRASSEN_MIN_MACS and min(rows, depth, columns) >= 16
+    large = rows * depth * columns >= STRASSEN_MIN_MACS and min(rows, columns) >= 16
+    large = large and depth >= STRASSEN_MIN_DEPTH
     return ("direct", STRASSEN) if halves and large and columns % 2 == 0 else ("direct",)
 
 

@@ -66,7 +66,8 @@ def test_seven_products_make_the_block_product():
 def test_the_rule_offers_strassen_to_large_gemms_that_halve():
     both = ("direct", STRASSEN)
     assert gemm_algorithms(64, 784, 1024, 16) == both  # MLP at batch 64
-    assert gemm_algorithms(128, 256, 1024, 16) == both
+    assert gemm_algorithms(128, 1024, 256, 16) == both  # a transformer's second FFN GEMM
+    assert gemm_algorithms(1024, 256, 1024, 16) == ("direct",)  # ... its first: too shallow
     assert gemm_algorithms(63, 784, 1024, 16) == ("direct",)  # odd rows
     assert gemm_algorithms(64, 785, 1024, 16) == ("direct",)  # odd depth
     assert gemm_algorithms(64, 784, 1056, 16) == ("direct",)  # halves not whole panels
@@ -114,7 +115,7 @@ CASES = {
     "gemm_no_bias_no_epilogue": lambda: gemm_model(48, 600, 768, bias_shape=None, relu=False),
     # 40 rows: each product's 20 rows pad to a whole register tile.
     "gemm_padded_product_rows": lambda: gemm_model(40, 800, 768),
-    "matmul_add": lambda: matmul_model(128, 256, 1024),
+    "matmul_add": lambda: matmul_model(128, 1024, 256),
     # Every row of every batch is a row of the GEMM: 2 x 64 rows, and 4 x 10 rows whose
     # halves (20 rows, padded in the products) split the second batch.
     "batched_matmul_add": lambda: matmul_model(64, 512, 512, batch=(2,)),
