@@ -343,7 +343,7 @@ def cmd_tune(args) -> int:
             default = state.task.flops / state.default_cost / 1e9 if state.default_cost else 0
             print(
                 f"  task {k}: {state.trials} trials, best {state.best_gflops:.1f} GFLOP/s "
-                f"(default {default:.1f}) {state.best_config}"
+                f"(default {default:.1f}) {state.best_config}{_applied(log, state, measurer)}"
             )
     print(f"tuned in {time.perf_counter() - started:.0f}s", end="; ")
     if args.device == "opencl":
@@ -360,6 +360,19 @@ def _model_summary(model) -> str:
     held_out = ", ".join(f"{o} {q:.2f}" for o, q in model.held_out_quality.items())
     compared = f"; held-out top picks at {held_out} of the best" if held_out else ""
     return f"{model.chosen}, {model.rounds} boosting rounds{compared}"
+
+
+def _applied(log, state, measurer) -> str:
+    """What a build applies for a task, when the in-model check chose other than the search's
+    fastest config alone (its default, or its algorithm at its default knobs)."""
+    from compiler_core.autotune.tasks import config_key
+
+    best = log.best(state.task.key, measurer.fingerprint, template=state.task.template)
+    if best is None or not best.in_model or state.best_config is None:
+        return ""
+    if config_key(best.config) == config_key(state.best_config):
+        return ""
+    return f"; in the model {best.config} ran faster: builds apply it"
 
 
 def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:

@@ -5,6 +5,8 @@ against ONNX Runtime, the tuner measuring it as a knob, and a choice a GEMM cann
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -13,7 +15,7 @@ from onnx import helper
 import compiler_core
 from compiler_core.autotune.measure import MeasureOptions, Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
-from compiler_core.autotune.tasks import ALGORITHM, extract_tasks
+from compiler_core.autotune.tasks import ALGORITHM, config_key, extract_tasks
 from compiler_core.build import lower_group
 from compiler_core.frontend.onnx import import_model
 from compiler_core.kernels.base import KernelError
@@ -236,3 +238,28 @@ def test_the_in_model_check_also_times_the_tuned_algorithm_at_its_default_knobs(
     assert [r.config for r in in_model] == [tuned, task.default_config(), knobs_default]
     fastest = min(timing.candidates(), key=lambda c: np.median(c[1]))[0]
     assert log.best(task.key, measurer.fingerprint).config == fastest
+
+
+def test_the_tuner_summary_names_the_config_builds_apply(measurer, tmp_path):
+    """When the in-model check prefers another config than the search's fastest alone, the
+    summary line of `kiln tune` says which one builds apply."""
+    import types
+
+    from compiler_core.autotune.measure import Result
+    from compiler_core.autotune.search import measured_record
+    from compiler_core.cli import _applied
+
+    (task,) = extract_tasks(optimize(import_model(gemm_model(64, 512, 512))), host_target())
+    alone, other = task.space()[1], task.space()[2]
+    state = types.SimpleNamespace(task=task, best_config=alone)
+    with FileLog(tmp_path / "t.jsonl") as log:
+        log.append(measured_record(task, alone, Result((1e-6,)), measurer))
+        assert _applied(log, state, measurer) == ""  # no in-model timing yet
+        for config, cost in ((alone, 3e-6), (other, 2e-6)):
+            record = measured_record(task, config, Result((cost,)), measurer)
+            log.append(dataclasses.replace(record, retimed=True, in_model=True))
+        applied = log.best(task.key, measurer.fingerprint).config
+        assert config_key(applied) == config_key(other)
+        assert _applied(log, state, measurer) == (
+            f"; in the model {applied} ran faster: builds apply it"
+        )
