@@ -645,7 +645,9 @@ def _matmul(ctx: KernelContext, node: Node):
         def a_at(i, k):  # row i of the GEMM
             return a[(*(unflatten(i, lead) if len(lead) > 1 else (i,)), k)]
 
-        return _strassen(ctx, node, a_at, False, 1.0, None, algorithms)
+        return _strassen(
+            ctx, node, a_at, transpose=False, scale=1.0, bias_at=None, algorithms=algorithms
+        )
     kk = reduce_axis(a_type.shape[-1], "rk")
     b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
     b_batch = b_type.shape[:-2]

@@ -33,9 +33,8 @@ from compiler_core.te import Tensor, compute
 STRASSEN = "strassen"
 PRODUCTS = 7
 
-# Strassen's seven products: the blocks of A (alpha) and of B (beta) each one multiplies,
-# and the blocks of C (gamma) each one is added to.
-# (one row per product)
+# Strassen's seven products, a row each: the blocks of A (alpha) and of B (beta) it
+# multiplies, and the blocks of C (gamma) it is added to.
 ALPHA = (
     (1, 0, 0, 1),  # M0 = (A0 + A3)(B0 + B3)
     (0, 0, 1, 1),  # M1 = (A2 + A3) B0
@@ -74,13 +73,14 @@ STRASSEN_MIN_DEPTH = 512
 
 
 def gemm_algorithms(rows: int, depth: int, columns: int, lanes: int) -> tuple[str, ...]:
-    """ "direct", and "strassen" for a GEMM by constant weights large enough to gain from it
-    whose rows, depth and columns halve (the columns into whole panels of two vectors, so
-    that no product pads its columns)."""
-    halves = rows % 2 == 0 and depth % 2 == 0 and (columns // 2) % (2 * lanes) == 0
+    """The algorithms of a GEMM by constant weights: "direct", and "strassen" where the GEMM
+    is large enough to gain from it and its rows, depth and columns halve (the columns into
+    whole panels of two vectors, so that no product pads its columns)."""
+    halves = rows % 2 == 0 and depth % 2 == 0 and columns % 2 == 0
+    halves = halves and (columns // 2) % (2 * lanes) == 0
     large = rows * depth * columns >= STRASSEN_MIN_MACS and min(rows, columns) >= 16
     large = large and depth >= STRASSEN_MIN_DEPTH
-    return ("direct", STRASSEN) if halves and large and columns % 2 == 0 else ("direct",)
+    return ("direct", STRASSEN) if halves and large else ("direct",)
 
 
 def combined_weights(b: np.ndarray) -> np.ndarray:
