@@ -1,10 +1,11 @@
 """ConvTranspose and DeformConv: auto_pad and output_shape resolved into explicit pads, every
-default made an explicit attribute, and ConvTranspose's output size fixed at import."""
+default made an explicit attribute, and ConvTranspose's output size fixed at import; Col2Im:
+its image and block shapes (constant inputs) made attributes."""
 
 from __future__ import annotations
 
 from compiler_core.frontend.common import UnsupportedError
-from compiler_core.frontend.convert_utils import Converter, all_inputs, all_outputs
+from compiler_core.frontend.convert_utils import Converter, all_inputs, all_outputs, ints
 
 
 def _kernel(node, attrs, weight) -> tuple[int, ...]:
@@ -92,7 +93,24 @@ def convert_deform_conv(ctx, node, attrs):
     )
 
 
+def convert_col2im(ctx, node, attrs):
+    image = ints(ctx.value(node.input[1], "Col2Im image_shape"))
+    block = ints(ctx.value(node.input[2], "Col2Im block_shape"))
+    nsp = len(image)
+    ctx.emit(
+        "Col2Im",
+        [node.input[0]],
+        all_outputs(node),
+        image_shape=image,
+        block_shape=block,
+        pads=tuple(attrs.get("pads") or (0,) * (2 * nsp)),
+        strides=tuple(attrs.get("strides") or (1,) * nsp),
+        dilations=tuple(attrs.get("dilations") or (1,) * nsp),
+    )
+
+
 CONVERTERS: dict[str, dict[int, Converter]] = {
+    "Col2Im": {18: convert_col2im},
     "ConvTranspose": {1: convert_conv_transpose},
     "DeformConv": {19: convert_deform_conv},
 }

@@ -16,6 +16,7 @@ import string
 import numpy as np
 
 from compiler_core.graph.ir import Node
+from compiler_core.graph.ops.conv_transpose import col2im_grid
 from compiler_core.graph.ops.layout import block_cost
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
@@ -1064,6 +1065,37 @@ def _conv_transpose(ctx: KernelContext, node: Node):
 
 
 KERNELS["ConvTranspose"] = _conv_transpose
+
+
+def _col2im(ctx: KernelContext, node: Node):
+    """out[n, c, o] = sum over the block's offsets k of x[n, c x K + flat(k), flat((o + pad -
+    k*d) / s)], where the division is exact and the block position inside the grid (K: the
+    block's size)."""
+    x = ctx.tensor(node.inputs[0])
+    out = ctx.type(node.outputs[0])
+    block, pads = node.attr("block_shape"), node.attr("pads")
+    strides, dilations = node.attr("strides"), node.attr("dilations")
+    nsp, grid = len(block), col2im_grid(node)
+    ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(block)]
+
+    def body(n, c, *o):
+        offset, position, ok = Const(0, INDEX), Const(0, INDEX), None
+        for d in range(nsp):
+            offset = offset * Const(block[d], INDEX) + ks[d]
+            shifted = o[d] + Const(pads[d], INDEX) - ks[d] * Const(dilations[d], INDEX)
+            place = Binary("floordiv", shifted, Const(strides[d], INDEX))
+            exact = Binary("mod", shifted, Const(strides[d], INDEX)).equals(Const(0, INDEX))
+            inside = logical_and(place >= Const(0, INDEX), place < Const(grid[d], INDEX))
+            cond = logical_and(exact, inside)
+            ok = cond if ok is None else logical_and(ok, cond)
+            position = position * Const(grid[d], INDEX) + clamp(place, grid[d])
+        row = c * Const(math.prod(block), INDEX) + offset
+        return reduce_sum(Select(ok, x[(n, row, position)], Const(0.0, x.dtype)), ks)
+
+    return [compute(out.shape, body, ctx.stage_name(node), out.dtype)]
+
+
+KERNELS["Col2Im"] = _col2im
 
 
 def _einsum(ctx: KernelContext, node: Node):

@@ -1,9 +1,12 @@
-"""ConvTranspose and DeformConv: the convolutions that are not plain Conv, and
-InterleavePhases, the data movement that finishes a ConvTranspose decomposed into a Conv.
+"""ConvTranspose and DeformConv: the convolutions that are not plain Conv; InterleavePhases,
+the data movement that finishes a ConvTranspose decomposed into a Conv; and Col2Im, which
+adds image blocks back into an image (the adjoint of the im2col a conv reads through).
 
 ConvTranspose's canonical attributes are pads, strides, dilations, group, output_padding and
 output_shape (the resolved spatial output size; it decides the output type). DeformConv's are
 pads, strides, dilations, group and offset_group; its kernel size comes from the weight.
+Col2Im's are image_shape and block_shape (constant inputs in ONNX), pads, strides and
+dilations.
 """
 
 from __future__ import annotations
@@ -238,7 +241,67 @@ def _deform_conv(node, inputs):
     return [np.ascontiguousarray(out, dtype=x.dtype)]
 
 
+# --- Col2Im ----------------------------------------------------------------------------------
+
+
+def col2im_grid(node) -> tuple[int, ...]:
+    """Block positions along each spatial axis: where a block of `block_shape` (dilated) fits
+    the padded image at the strides."""
+    image, block = node.attr("image_shape"), node.attr("block_shape")
+    pads, strides, dilations = node.attr("pads"), node.attr("strides"), node.attr("dilations")
+    nsp = len(image)
+    grid = []
+    for d in range(nsp):
+        span = image[d] + pads[d] + pads[d + nsp] - dilations[d] * (block[d] - 1) - 1
+        if span < 0:
+            raise ShapeError(f"block {list(block)} does not fit image {list(image)} padded")
+        grid.append(span // strides[d] + 1)
+    return tuple(grid)
+
+
+def _col2im_rule(node, types):
+    (x,) = types[:1]
+    image, block = tuple(node.attr("image_shape")), tuple(node.attr("block_shape"))
+    if x.rank != 3 or len(image) != len(block) or not image:
+        raise ShapeError(f"input {x} must be [N, C x block size, L] with image and block ranks")
+    size = math.prod(block)
+    if size <= 0 or x.shape[1] % size:
+        raise ShapeError(f"input {x}: {x.shape[1]} rows are not whole blocks of {size}")
+    if math.prod(col2im_grid(node)) != x.shape[2]:
+        raise ShapeError(
+            f"input {x}: {x.shape[2]} blocks, but {list(block)} blocks fit "
+            f"{list(col2im_grid(node))} times in image {list(image)}"
+        )
+    return [TensorType((x.shape[0], x.shape[1] // size, *image), x.dtype)]
+
+
+def _col2im(node, inputs):
+    """Each block's values added at its place in the padded image, then the pads cropped."""
+    x = inputs[0]
+    image, block = tuple(node.attr("image_shape")), tuple(node.attr("block_shape"))
+    pads, strides, dilations = node.attr("pads"), node.attr("strides"), node.attr("dilations")
+    nsp, grid = len(image), col2im_grid(node)
+    batch, channels = x.shape[0], x.shape[1] // math.prod(block)
+    columns = x.reshape(batch, channels, *block, *grid)
+    padded = np.zeros(
+        (batch, channels, *(image[d] + pads[d] + pads[d + nsp] for d in range(nsp))), x.dtype
+    )
+    for offset in itertools.product(*(range(k) for k in block)):
+        window = tuple(
+            slice(
+                offset[d] * dilations[d],
+                offset[d] * dilations[d] + strides[d] * (grid[d] - 1) + 1,
+                strides[d],
+            )
+            for d in range(nsp)
+        )
+        padded[(slice(None), slice(None), *window)] += columns[(slice(None), slice(None), *offset)]
+    crop = tuple(slice(pads[d], pads[d] + image[d]) for d in range(nsp))
+    return [np.ascontiguousarray(padded[(slice(None), slice(None), *crop)])]
+
+
 OPS: dict[str, OpDef] = {
+    "Col2Im": opdef("Col2Im", OpKind.OUT_ELEMWISE_FUSABLE, _col2im_rule, _col2im),
     "ConvTranspose": opdef(
         "ConvTranspose", OpKind.OUT_ELEMWISE_FUSABLE, _conv_transpose_rule, _conv_transpose
     ),
