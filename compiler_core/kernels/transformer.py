@@ -48,9 +48,12 @@ def _optional(ctx: KernelContext, node: Node, index: int) -> Tensor | None:
     return None
 
 
+HALF_PRECISION = ("float16", "bfloat16")
+
+
 def _attention(ctx: KernelContext, node: Node):
     q_in, k_in, v_in = (ctx.tensor(v) for v in node.inputs[:3])
-    if np.dtype(q_in.dtype).kind != "f":
+    if q_in.dtype not in HALF_PRECISION and np.dtype(q_in.dtype).kind != "f":
         raise KernelError(f"node {node.name!r}: Attention on {q_in.dtype}")
     mask = _optional(ctx, node, 3)
     past_key, past_value = _optional(ctx, node, 4), _optional(ctx, node, 5)
@@ -63,7 +66,7 @@ def _attention(ctx: KernelContext, node: Node):
     group = q_heads // kv_heads
     out_dtype = q.dtype
     present_key, present_value = k, v
-    if out_dtype == "float16":  # accumulate half-precision attention in float32
+    if out_dtype in HALF_PRECISION:  # accumulate half-precision attention in float32
         q, k, v = (_as(ctx, node, t, "float32") for t in (q, k, v))
     dtype = q.dtype
     scale = node.attr("scale", None)

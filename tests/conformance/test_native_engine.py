@@ -55,6 +55,8 @@ NATIVE_MUST_PASS = (
     "test_rnn_seq_length",
     "test_linear_attention_gated_delta_gqa",
     "test_linear_attention_prefill_with_past",
+    "test_col2im_dilations",
+    "test_col2im_5d",
     # Control flow: Scan as one native loop, Loop unrolled (its Slice bounds are the
     # iteration number), If with a run-time condition.
     "test_scan_sum",
