@@ -54,24 +54,18 @@ def col2im_model(channels, image, block, pads=None, strides=None, dilations=None
 
 
 def im2col(image, block, pads, strides, dilations):
-    """[N, C, *spatial] -> [N, C x block size, blocks]: every (dilated) block of the padded
-    image at the strides, its values in row-major order."""
+    """[N, C, *spatial] -> [N, C x block size, blocks]: every (dilated) block of the
+    zero-padded image at the strides, element by element."""
     nsp = image.ndim - 2
-    padded = np.pad(image, [(0, 0), (0, 0)] + [(pads[d], pads[d + nsp]) for d in range(nsp)])
     grid = grid_of(image.shape[2:], block, pads, strides, dilations)
-    rows = []
-    for offset in itertools.product(*(range(k) for k in block)):
-        window = tuple(
-            slice(
-                offset[d] * dilations[d],
-                offset[d] * dilations[d] + strides[d] * (grid[d] - 1) + 1,
-                strides[d],
-            )
-            for d in range(nsp)
-        )
-        rows.append(padded[(slice(None), slice(None), *window)].reshape(*image.shape[:2], -1))
     n, c = image.shape[:2]
-    return np.stack(rows, axis=2).reshape(n, c * math.prod(block), -1)
+    columns = np.zeros((n, c, math.prod(block), math.prod(grid)), image.dtype)
+    for b, place in enumerate(itertools.product(*(range(g) for g in grid))):
+        for k, offset in enumerate(itertools.product(*(range(s) for s in block))):
+            pixel = [place[d] * strides[d] + offset[d] * dilations[d] - pads[d] for d in range(nsp)]
+            if all(0 <= pixel[d] < image.shape[2 + d] for d in range(nsp)):
+                columns[:, :, k, b] = image[(slice(None), slice(None), *pixel)]
+    return columns.reshape(n, c * math.prod(block), -1)
 
 
 CASES = {
