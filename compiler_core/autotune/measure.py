@@ -104,7 +104,7 @@ class Measurer:
         self.device = measure_device(target, self.options.device)
         self._dir = tempfile.TemporaryDirectory(prefix="kiln-measure-")
         self._runner: subprocess.Popen | None = None
-        self._references: dict[str, Path] = {}
+        self._references: dict[tuple[str, Path | None], Path | None] = {}
         self._input_files: dict[int, tuple[LoweredGroup, Path]] = {}
 
     @property
@@ -204,17 +204,20 @@ class Measurer:
 
     def _reference(self, task: Task) -> Path | None:
         """The default schedule's outputs on the runner's inputs: what every candidate of the
-        task must reproduce (of any algorithm: see `_input_file`)."""
-        if task.key in self._references:
-            return self._references[task.key]
+        task must reproduce (of any algorithm: see `_input_file`). Kept per workload and
+        set of inputs: two models that share a workload key run it on their own weights."""
         default = task.default_config()
+        lowered = task.lowered_for(default)
+        identity = (task.key, self._input_file(lowered))
+        if identity in self._references:
+            return self._references[identity]
         (built,) = self.build(task, [default])
-        path = Path(self._dir.name) / f"ref_{task.key[:16]}.npz"
+        path = Path(self._dir.name) / f"ref_{len(self._references)}.npz"
         if isinstance(built, Result):
             return None
-        result = self._run(task.lowered_for(default), built, save_output=path)
-        self._references[task.key] = path if result.error == "ok" else None
-        return self._references[task.key]
+        result = self._run(lowered, built, save_output=path)
+        self._references[identity] = path if result.error == "ok" else None
+        return self._references[identity]
 
     def _input_file(self, lowered: LoweredGroup) -> Path | None:
         """The inputs a CPU candidate runs on: the group's real build-time packed weights,

@@ -73,6 +73,24 @@ def tasks_of(model):
     return extract_tasks(optimize(import_model(model)))
 
 
+def test_one_measurer_checks_two_models_that_share_a_workload_against_their_own_weights(
+    measurer,
+):
+    """Two models with the same dense workload (one key) and other weights: each one's
+    candidates are checked against a reference computed on its own weights."""
+    other = make_model(
+        [helper.make_node("Gemm", ["x", "w", "b"], ["y"]), helper.make_node("Relu", ["y"], ["z"])],
+        [("x", FLOAT, [6, 64])],
+        [("z", FLOAT, [6, 48])],
+        {"w": -W1, "b": B1 + 1.0},
+    )
+    (first,), (second,) = tasks_of(dense_model()), tasks_of(other)
+    assert first.key == second.key
+    for task in (first, second):
+        results = measurer.measure(task, task.space()[:2])
+        assert [r.error for r in results] == ["ok", "ok"], results
+
+
 def test_a_pairwise_cover_holds_every_pair_of_knob_values():
     space = [{"a": a, "b": b, "c": c} for a in range(3) for b in range(3) for c in range(2)]
     cover = pairwise_cover(space)
