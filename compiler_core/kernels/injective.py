@@ -48,7 +48,7 @@ def unflatten(flat: Expr, shape: Sequence[int]) -> tuple[Expr, ...]:
     return tuple(index)
 
 
-def _flatten(index: Sequence[Expr], shape: Sequence[int]) -> Expr:
+def flatten(index: Sequence[Expr], shape: Sequence[int]) -> Expr:
     flat: Expr = Const(0, INDEX)
     for i, stride in zip(index, _strides(shape), strict=True):
         flat = flat + i * Const(stride, INDEX)
@@ -75,11 +75,11 @@ def reshape_index(index: Sequence[Expr], out_shape, in_shape) -> tuple[Expr, ...
     in_mid = in_shape[lead : len(in_shape) - tail]
     middle = tuple(index[lead : len(index) - tail])
     if len(in_mid) == 1:  # the flat index is in bounds: no modulo
-        mapped: tuple[Expr, ...] = (_flatten(middle, out_mid),)
+        mapped: tuple[Expr, ...] = (flatten(middle, out_mid),)
     elif len(out_mid) == 1:
         mapped = unflatten(middle[0], in_mid)
     else:
-        mapped = unflatten(_flatten(middle, out_mid), in_mid)
+        mapped = unflatten(flatten(middle, out_mid), in_mid)
     return (*index[:lead], *mapped, *index[len(index) - tail :])
 
 

@@ -459,39 +459,26 @@ def panel_width(columns: int, lanes: int) -> int:
 
 
 def _panel_weights(ctx: KernelContext, value: str, transpose: bool, scale: float = 1.0):
-    """A constant [K, N] (or [N, K] with `transpose`) matrix as [N/P, K, P] panels."""
+    """A constant [..., K, N] (or [..., N, K] with `transpose`) matrix, or stack of them, as
+    [..., N/P, K, P] panels."""
     matrix = ctx.constant(value)
-    matrix = matrix.T if transpose else matrix
+    matrix = np.swapaxes(matrix, -1, -2) if transpose else matrix
     if scale != 1.0:
         matrix = matrix * np.asarray(scale, matrix.dtype)
     return packed_panels(ctx, value, f"panel{{}}{'t' if transpose else ''}", matrix)
 
 
-def _batched_panel_weights(ctx: KernelContext, value: str, transpose: bool):
-    """A constant [..., K, N] (or [..., N, K]) stack of matrices as [..., N/P, K, P] panels."""
-    stack = ctx.constant(value)
-    stack = np.swapaxes(stack, -1, -2) if transpose else stack
-    *batch, k, n = stack.shape
+def packed_panels(ctx: KernelContext, source: str, label: str, matrix: np.ndarray):
+    """A build-time [..., K, N] matrix (a transform of constant `source`), or stack of them, as
+    [..., N/P, K, P] panels and the panel width P; `label` names the packing, with `{}`
+    standing for P."""
+    *batch, k, n = matrix.shape
     width = panel_width(n, ctx.target.vector_lanes)
     padded_n = -(-n // width) * width
     if padded_n != n:
         pad = [(0, 0)] * (len(batch) + 1) + [(0, padded_n - n)]
-        stack = np.pad(stack, pad)
-    panels = stack.reshape(*batch, k, padded_n // width, width)
-    panels = np.moveaxis(panels, -2, -3)
-    label = f"bpanel{width}{'t' if transpose else ''}"
-    return ctx.packed(value, label, panels), width
-
-
-def packed_panels(ctx: KernelContext, source: str, label: str, matrix: np.ndarray):
-    """A build-time [K, N] matrix (a transform of constant `source`) as [N/P, K, P] panels
-    and the panel width P; `label` names the packing, with `{}` standing for P."""
-    k, n = matrix.shape
-    width = panel_width(n, ctx.target.vector_lanes)
-    padded_n = -(-n // width) * width
-    if padded_n != n:
-        matrix = np.concatenate([matrix, np.zeros((k, padded_n - n), matrix.dtype)], axis=1)
-    panels = matrix.reshape(k, padded_n // width, width).transpose(1, 0, 2)
+        matrix = np.pad(matrix, pad)
+    panels = np.moveaxis(matrix.reshape(*batch, k, padded_n // width, width), -2, -3)
     return ctx.packed(source, label.format(width), panels), width
 
 
@@ -534,12 +521,14 @@ def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale:
     """B of a GEMM as (read(batch, kk, j), panel width, Pack or None): a constant 2-D B is
     packed at build time, any other B by a stage of the kernel (`materialize` keeps it a stage
     of its own; the dense template inlines it with `pack=0`)."""
-    if ctx.is_constant(value) and ctx.type(value).rank == 2:
+    if ctx.is_constant(value) and ctx.type(value).rank >= 2:
         panels, width = _panel_weights(ctx, value, transpose, scale)
-        return (lambda batch, kk, j: _panel_read(panels, width, kk, j)), width, None
-    if ctx.is_constant(value) and ctx.type(value).rank > 2 and scale == 1.0:
-        panels, width = _batched_panel_weights(ctx, value, transpose)
-        return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, None
+        stacked = ctx.type(value).rank > 2
+
+        def read(batch, kk, j):
+            return _panel_read(panels, width, kk, j, batch if stacked else ())
+
+        return read, width, None
     b = ctx.tensor(value)
     panels, width = _runtime_panels(ctx, node, b, transpose)
     ctx.note(panels.name, materialize=True)
@@ -782,10 +771,8 @@ def _strassen(ctx, node, a_at, transpose, scale: float, bias_at, algorithms) -> 
     sums = input_sums(ctx, node, a_at, rows, depth, dtype)
     combined = combined_weights(matrix)  # [7, K/2, N/2]
     half_rows, half_depth, half_columns = rows // 2, depth // 2, columns // 2
-    width = panel_width(half_columns, ctx.target.vector_lanes)
-    panels = combined.reshape(-1, half_depth, half_columns // width, width).transpose(0, 2, 1, 3)
-    label = f"strassen{width}{'t' if transpose else ''}"
-    packed = ctx.packed(node.inputs[1], label, panels)
+    label = f"strassen{{}}{'t' if transpose else ''}"
+    packed, width = packed_panels(ctx, node.inputs[1], label, combined)
     real = (len(combined), half_rows, half_columns)
     row_bytes = half_depth * np.dtype(dtype).itemsize
     shape = _tiled_shape(ctx, real, width, row_bytes)
@@ -842,7 +829,7 @@ def _gemm(ctx: KernelContext, node: Node):
     _note_algorithms(ctx, product, algorithms)
     if not has_c and alpha == 1.0:
         return [_cropped(ctx, node, product, out.shape)]
-    c = ctx.tensor(node.inputs[2]) if has_c else None
+    bias_at = _gemm_bias(ctx, node, beta) if has_c else None
 
     # At the output's own shape, so it also crops the padded product; the dense template
     # folds it into the tile's store.
@@ -850,10 +837,7 @@ def _gemm(ctx: KernelContext, node: Node):
         value = product[i, j]
         if alpha != 1.0:
             value = value * Const(alpha, out.dtype)
-        if c is not None:
-            term = c[broadcast_index(c.shape, out.shape, (i, j))]
-            value = value + (term * Const(beta, out.dtype) if beta != 1.0 else term)
-        return value
+        return value + bias_at(i, j) if bias_at is not None else value
 
     return [compute(out.shape, epilogue, ctx.stage_name(node))]
 

@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from compiler_core.kernels.base import KernelContext
+from compiler_core.kernels.injective import flatten
 from compiler_core.kernels.winograd import select_case, sparse_sum
 from compiler_core.loop.ir import INDEX, Binary, Const
 from compiler_core.te import Tensor, compute
@@ -118,13 +119,9 @@ def output_sums(ctx: KernelContext, node, product: Tensor, out_shape, bias_at, d
     its own two to four products."""
     rows, columns = math.prod(out_shape[:-1]), out_shape[-1]
     half_rows, half_columns = rows // 2, columns // 2
-    strides = [math.prod(out_shape[d + 1 : -1]) for d in range(len(out_shape) - 1)]
 
     def body(*index):
-        i = index[0] * Const(strides[0], INDEX)
-        for axis, stride in zip(index[1:-1], strides[1:], strict=True):
-            i = i + axis * Const(stride, INDEX)
-        j = index[-1]
+        i, j = flatten(index[:-1], out_shape[:-1]), index[-1]
         block_row = Binary("floordiv", i, Const(half_rows, INDEX))
         block_column = Binary("floordiv", j, Const(half_columns, INDEX))
         row = Binary("mod", i, Const(half_rows, INDEX))

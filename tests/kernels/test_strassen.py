@@ -13,8 +13,9 @@ import pytest
 from onnx import helper
 
 import compiler_core
-from compiler_core.autotune.measure import MeasureOptions, Measurer
-from compiler_core.autotune.records import FileLog, TuningRecord
+from compiler_core.autotune.measure import MeasureOptions, Measurer, Result
+from compiler_core.autotune.records import FileLog
+from compiler_core.autotune.search import measured_record
 from compiler_core.autotune.tasks import ALGORITHM, config_key, extract_tasks
 from compiler_core.build import lower_group
 from compiler_core.frontend.onnx import import_model
@@ -131,34 +132,22 @@ def measurer():
         yield m
 
 
-def strassen_log(model, path, measurer=None):
+def strassen_log(model, path, measurer, measure=False):
     """A tuning log whose record for every GEMM task that can run Strassen's algorithm picks
-    it (its template's default knobs), measured when `measurer` is given."""
-    target = host_target()
-    tasks = [t for t in extract_tasks(optimize(import_model(model)), target) if t.algorithms]
+    it (its template's default knobs), timed by `measurer` when `measure`."""
+    tasks = [t for t in extract_tasks(optimize(import_model(model)), host_target()) if t.algorithms]
     with FileLog(path) as log:
         for task in tasks:
             config = next(c for c in task.space() if c[ALGORITHM] == STRASSEN)
-            costs, error = (1e-6,), "ok"
-            if measurer is not None:
-                (result,) = measurer.measure(task, [config])
-                costs, error = result.costs, result.error
-            log.append(
-                TuningRecord(
-                    workload_key=task.key, workload=task.workload, target=str(target),
-                    fingerprint=target.fingerprint, template=task.template,
-                    template_version=task.template_version, config=config, costs=costs,
-                    error=error, error_detail="", flops=task.flops, compiler_version="test",
-                    timestamp=0.0,
-                )
-            )  # fmt: skip
+            (result,) = measurer.measure(task, [config]) if measure else (Result((1e-6,)),)
+            log.append(measured_record(task, config, result, measurer))
     return tasks
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_strassen_gemms_match_onnxruntime(name, tmp_path):
+def test_strassen_gemms_match_onnxruntime(name, tmp_path, measurer):
     model = CASES[name]()
-    tasks = strassen_log(model, tmp_path / "t.jsonl")
+    tasks = strassen_log(model, tmp_path / "t.jsonl", measurer, measure=True)
     assert len(tasks) == 1 and tasks[0].variants.keys() == {"direct", STRASSEN}, name
     archive = compiler_core.compile(model, tuning=str(tmp_path / "t.jsonl"))
     assert archive.manifest["verification"]["passed"], archive.manifest["verification"]
@@ -212,7 +201,7 @@ def test_the_tuner_measures_both_algorithms_against_the_reference(measurer, tmp_
     assert strassen and len(strassen) < len(space)
     results = measurer.measure(task, [space[0], *strassen[:2]])
     assert [r.error for r in results] == ["ok"] * 3, results
-    tasks = strassen_log(model, tmp_path / "t.jsonl", measurer)
+    tasks = strassen_log(model, tmp_path / "t.jsonl", measurer, measure=True)
     assert tasks[0].key == task.key
 
 
@@ -221,8 +210,6 @@ def test_the_in_model_check_also_times_the_tuned_algorithm_at_its_default_knobs(
     defaults: the in-model check times it, the direct default, and Strassen's default knobs
     (a third build), and the fastest of the three in the model becomes the task's best."""
     from compiler_core.autotune.in_model import check_in_model
-    from compiler_core.autotune.measure import Result
-    from compiler_core.autotune.search import measured_record
 
     graph = optimize(import_model(gemm_model(64, 512, 512)))
     (task,) = extract_tasks(graph, host_target())
@@ -245,8 +232,6 @@ def test_the_tuner_summary_names_the_config_builds_apply(measurer, tmp_path):
     summary line of `kiln tune` says which one builds apply."""
     import types
 
-    from compiler_core.autotune.measure import Result
-    from compiler_core.autotune.search import measured_record
     from compiler_core.cli import _applied
 
     (task,) = extract_tasks(optimize(import_model(gemm_model(64, 512, 512))), host_target())
