@@ -1062,37 +1062,42 @@ def winograd_output_schedule(
 
 
 def strassen_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
-    """The sums of A's blocks, [7, rows/2, K/2] (kernels/strassen.py): per row, the seven
-    products unrolled (each its own sum of one or two blocks), K in vectors; parallel over
-    the rows."""
+    """The sums of A's blocks, [7, rows/2, K/2] (kernels/strassen.py): per row and vector of
+    K, the seven products unrolled (each its own sum of one or two blocks), parallel over the
+    rows. One loop over K with seven sums in its body, not seven loops over K: LLVM unrolls
+    each short loop of the latter, and the kernel took twice as long to build."""
     p, i, k = (stage.loop(d) for d in range(3))
-    return [
-        Reorder((i, p, k)),
-        Unroll(p),
-        *_vectorized(_vector_split(k, stage.shape[2], target)),
-        Parallel(i),
-    ]
+    split = _vector_split(k, stage.shape[2], target)
+    records: list[Record] = [Reorder((i, k, p))]
+    if split is None:
+        return [*records, Unroll(p), Parallel(i)]
+    records += [split, Reorder((split.outer, p, split.inner)), Unroll(p), Vectorize(split.inner)]
+    if isinstance(split, SplitOverlap):
+        tail_p = split.in_tail(p)
+        records += [Reorder((tail_p, split.tail_loop)), Unroll(tail_p)]
+        records.append(Vectorize(split.tail_loop))
+    return [*records, Parallel(i)]
 
 
 def strassen_output_schedule(
     stage: StageInfo, epilogue: StageInfo | None, target: Target
 ) -> list[Record]:
     """C from the seven products (kernels/strassen.py), its leading loops fused into the
-    GEMM's rows: per row of the top blocks, the 2 x 2 blocks unrolled (each its own sum of
-    two to four products, for the row and the one rows/2 below it), the columns in vectors,
-    the epilogue applied before the store; parallel over those rows."""
-    half_rows, half_columns = stage.note("strassen_output")
+    GEMM's rows: per row of the top blocks and vector of a block's columns, the 2 x 2 blocks
+    unrolled (each its own sum of two to four products, for the row and the one rows/2 below
+    it), the epilogue applied before the store; parallel over those rows."""
+    block_rows, block_columns = stage.note("strassen_output")
     rank = len(stage.shape)
     records, i = fuse_all([stage.loop(d) for d in range(rank - 1)])  # the GEMM's rows
     j = stage.loop(rank - 1)
-    block_rows, block_columns = Split(i, half_rows), Split(j, half_columns)
-    vectors = _vector_split(block_columns.inner, half_columns, target)
-    order = (block_rows.inner, block_rows.outer, block_columns.outer, block_columns.inner)
-    records += [block_rows, block_columns, Reorder(order)]
-    records += [Unroll(block_rows.outer), Unroll(block_columns.outer), *_vectorized(vectors)]
+    grid_rows, grid_columns = Split(i, block_rows), Split(j, block_columns)
+    vectors = Split(grid_columns.inner, target.vector_lanes)  # blocks are whole panels
+    order = (grid_rows.inner, vectors.outer, grid_rows.outer, grid_columns.outer, vectors.inner)
+    records += [grid_rows, grid_columns, vectors, Reorder(order)]
+    records += [Unroll(grid_rows.outer), Unroll(grid_columns.outer), Vectorize(vectors.inner)]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    return [*records, Parallel(block_rows.inner)]
+    return [*records, Parallel(grid_rows.inner)]
 
 
 def _unrolled_vectors(at: ComputeAt, rank: int) -> list[Record]:
