@@ -6,7 +6,11 @@ The renderer follows the loop kinds the schedule chose and decides nothing itsel
 - serial loops become counted loops; unrolled loops are emitted once per iteration;
 - a vectorized loop of L iterations is emitted once, on <L x T> values: an access whose flat
   index moves by one per lane becomes a vector load/store, one that does not move becomes a
-  scalar broadcast, anything else is assembled lane by lane;
+  scalar broadcast, anything else is assembled lane by lane (or gathered);
+- an unrolled loop of L iterations around such a vector loop that only copies across (its
+  load contiguous along the unrolled loop, its store along the vector loop: a layout
+  transform's tile of pixels x channels) is emitted as L vector loads, an L x L transpose in
+  registers and L vector stores (`_transposed_tile`);
 - a parallel loop is outlined into a worker that Kiln's thread pool (`kiln_parallel`,
   codegen/kiln_pool.c) runs on the caller and its threads; they claim contiguous chunks (a
   few per thread, `kiln_claim`), each thread first from its own home range of the loop, so
@@ -243,6 +247,8 @@ class FunctionEmitter:
     def _for(self, b: ir.IRBuilder, scope: _Scope, loop: For) -> None:
         if loop.kind == ForKind.PARALLEL:
             self._parallel(b, scope, loop)
+        elif loop.kind == ForKind.UNROLLED and scope.lanes == 1 and _transposed_copy(loop):
+            self._transposed_tile(b, scope, loop)
         elif loop.kind == ForKind.UNROLLED or (
             loop.kind == ForKind.VECTORIZED and loop.extent == 1
         ):
@@ -264,6 +270,28 @@ class FunctionEmitter:
                 self._stmt(b, inner, loop.body)
         else:
             self._counted_loop(b, scope, loop, I64(0), I64(loop.extent))
+
+    def _transposed_tile(self, b: ir.IRBuilder, scope: _Scope, loop: For) -> None:
+        """An L x L tile copied across (see `_transposed_copy`): L vector loads along the
+        unrolled loop (one per lane of the vector loop), transposed in registers, L vector
+        stores along the vector loop; not L gathers of L elements each a row apart."""
+        vector = loop.body
+        store, lanes = vector.body, loop.extent
+        u, v = loop.var.name, vector.var.name
+        indices = ir.Constant(ir.VectorType(I64, lanes), list(range(lanes)))
+
+        def along(vector_var: str, fixed: str, at: int) -> _Scope:
+            """`vector_var` across the lanes, `fixed` at one of its iterations."""
+            values = {**scope.values, vector_var: indices, fixed: I64(at)}
+            return dataclasses.replace(scope, values=values, lanes=lanes, vector_var=vector_var)
+
+        rows = [self._expr(b, along(u, v, j), store.value) for j in range(lanes)]
+        for i, column in enumerate(_transpose(b, rows)):
+            kind, where = self._access(b, along(v, u, i), store.buffer, store.indices)
+            if kind != "contiguous":  # `_transposed_copy` checked the store's lane stride
+                raise CodegenError(f"{store.buffer.name}: a tile's store is not contiguous")
+            value = self._to_memory(b, column, store.buffer.dtype)
+            b.store(value, where, align=_align(store.buffer.dtype))
 
     def _counted_loop(self, b, scope, loop: For, start, stop) -> None:
         fn = b.function
@@ -994,6 +1022,49 @@ def build_module(funcs: Sequence[PrimFunc], target: Target, name: str = "kiln") 
     for func in funcs:
         FunctionEmitter(module, func).emit()
     return module
+
+
+def _transposed_copy(loop: For) -> bool:
+    """Whether `loop` (unrolled, L iterations) holds only a vector loop of L lanes (L a power of
+    two) whose one statement copies across: its store moves by one element per lane of the
+    vector loop, and its load (or a cast of it) moves by one per iteration of the unrolled loop
+    but not per lane. NCHW -> NCHW16c tiles 16 pixels x 16 channels so, and back."""
+    vector, lanes = loop.body, loop.extent
+    if not (isinstance(vector, For) and vector.kind == ForKind.VECTORIZED):
+        return False
+    if vector.extent != lanes or lanes < 4 or lanes & (lanes - 1):
+        return False
+    store = vector.body
+    if not isinstance(store, Store):
+        return False
+    load = store.value.a if isinstance(store.value, Cast) else store.value
+    if not isinstance(load, Load):
+        return False
+    u, v = loop.var.name, vector.var.name
+    read = flat_index(load.buffer, load.indices)
+    return (
+        lane_stride(flat_index(store.buffer, store.indices), v) == 1
+        and lane_stride(read, u) == 1
+        and lane_stride(read, v) != 1
+    )
+
+
+def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """The L x L transpose of L vectors (L a power of two): log2(L) rounds of two-input
+    shuffles, round k swapping bit k of the row index with bit k of the lane index."""
+    lanes, rows = len(rows), list(rows)
+    bit = 1
+    while bit < lanes:
+        low_mask = [c if not c & bit else lanes + (c & ~bit) for c in range(lanes)]
+        high_mask = [c | bit if not c & bit else lanes + c for c in range(lanes)]
+        for i in (i for i in range(lanes) if not i & bit):
+            a, c = rows[i], rows[i | bit]
+            rows[i] = b.shuffle_vector(a, c, ir.Constant(ir.VectorType(I32, lanes), low_mask))
+            rows[i | bit] = b.shuffle_vector(
+                a, c, ir.Constant(ir.VectorType(I32, lanes), high_mask)
+            )
+        bit <<= 1
+    return rows
 
 
 def _static_truth(scope: _Scope, cond: Expr) -> bool | None:

@@ -1581,6 +1581,27 @@ def unblock_schedule(stage: StageInfo, block: int, target: Target) -> list[Recor
     return [*records, rows, Parallel(rows.fused)]
 
 
+def block_schedule(stage: StageInfo, target: Target) -> list[Record]:
+    """NC[D][H]W -> NC[D][H]W[b]c with b the vector width: per channel block and row, tiles
+    of b pixels x b channels, the pixels unrolled around a vector of channels, so that the
+    codegen copies each tile across in registers (b loads along the input's rows, a
+    transpose, b stores of whole blocks) instead of gathering every vector of channels from
+    b rows a whole plane apart (4.5x slower measured: 112 x 112, 32 channels)."""
+    rank = len(stage.shape)
+    block, width, lanes = stage.shape[-1], stage.shape[-2], target.vector_lanes
+    channels, spatial = stage.loop(rank - 1), [stage.loop(k) for k in range(2, rank - 1)]
+    if block != lanes or width < lanes:
+        return generic_schedule(stage, target)
+    pixels = SplitOverlap(spatial[-1], lanes) if width % lanes else Split(spatial[-1], lanes)
+    records: list[Record] = [pixels, Unroll(pixels.inner), Vectorize(channels)]
+    if isinstance(pixels, SplitOverlap):  # the last tile's copy of the channel loop
+        records += [Unroll(pixels.tail_loop), Vectorize(pixels.in_tail(channels))]
+    rows = Fuse(stage.loop(1), spatial[0]) if len(spatial) > 1 else None
+    if rows is None:
+        return [*records, Parallel(stage.loop(1))]
+    return [*records, rows, Parallel(rows.fused)]
+
+
 ANCHOR_OPS = ("Conv", "MatMul", "Gemm")
 
 
@@ -1720,6 +1741,8 @@ def schedule_for(
             records += _parallel_rows(stage, len(stage.shape) - 1)
         elif stage.note("unblock") and stage.pure:
             records += unblock_schedule(stage, stage.note("unblock"), target)
+        elif stage.note("block") and stage.pure:
+            records += block_schedule(stage, target)
         else:
             records += generic_schedule(stage, target)
     return _serial_small_step_stages(records, stages)

@@ -365,6 +365,64 @@ def test_layout_transform_between_padded_blocks(width):
     assert not out["a"][0, 2, ..., 5:].any()  # padding lanes are zero
 
 
+@pytest.mark.parametrize(
+    ("spatial", "dtype"),
+    [((3, 112), "float32"), ((5, 20), "float32"), ((2, 2, 36), "float32"), ((40,), "float32")]
+    + [((3, 8), "float32"), ((3, 48), "float16"), ((2, 64), "int64")],
+)
+def test_layout_transforms_copy_whole_tiles_across(spatial, dtype):
+    """Plain -> blocks of a vector's lanes -> plain, for 1-3 spatial dims, rows of whole tiles,
+    a ragged last tile (20, 36, 40: it overlaps the one before) and shorter than a tile (8,
+    the generic schedule); each direction's tiles are copied across in registers (the
+    codegen's transposed-tile rule matched: no gathers), bit-exact."""
+    from compiler_core.build import build_kernels
+    from compiler_core.codegen.llvm import _transposed_copy, build_module
+    from compiler_core.loop.ir import For, ForKind
+    from compiler_core.loop.transform import walk_stmts
+
+    target = host_target()
+    lanes = target.vector_lanes
+    rank_name = "NC" + "DHW"[3 - len(spatial) :]
+    channels = 2 * lanes
+    x = (np.random.default_rng(5).standard_normal((1, channels, *spatial)) * 100).astype(dtype)
+    blocked = (1, 2, *spatial, lanes)
+    nodes = (
+        Node(
+            "LayoutTransform",
+            "to_blocks",
+            ("x",),
+            ("a",),
+            {"src_layout": rank_name, "dst_layout": f"{rank_name}{lanes}c", "channels": channels},
+        ),
+        Node(
+            "LayoutTransform",
+            "to_plain",
+            ("a",),
+            ("y",),
+            {"src_layout": f"{rank_name}{lanes}c", "dst_layout": rank_name, "channels": channels},
+        ),
+    )
+    types = {
+        "x": TensorType(x.shape, dtype),
+        "a": TensorType(blocked, dtype),
+        "y": TensorType(x.shape, dtype),
+    }
+    graph = fuse_operators.run(Graph("tiles", ("x",), ("y", "a"), nodes, types, {}))
+    out = load(compile_graph(graph, target)).run({"x": x})
+    np.testing.assert_array_equal(out["a"], to_blocked(x, lanes))
+    np.testing.assert_array_equal(out["y"], x)
+    kernels = build_kernels(graph, target)
+    unrolled = [
+        [s for s in walk_stmts(k.func.body) if isinstance(s, For) and s.kind == ForKind.UNROLLED]
+        for k in kernels
+    ]
+    tiled = [any(_transposed_copy(loop) for loop in loops) for loops in unrolled]
+    assert tiled == [spatial[-1] >= lanes] * 2, tiled
+    if spatial[-1] >= lanes:
+        text = str(build_module([k.func for k in kernels], target))
+        assert "gather" not in text and "shufflevector" in text
+
+
 # --- three channel blocks per register tile (AVX2, output blocks that come in threes) --------
 
 AVX2 = "llvm -mattr=+avx2,+fma"
