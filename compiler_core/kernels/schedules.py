@@ -1550,10 +1550,12 @@ def transposed_read_tiles(func: PrimFunc, target: Target) -> list[Record]:
 
 def unblock_schedule(stage: StageInfo, block: int, target: Target) -> list[Record]:
     """NC[D][H]W[b]c -> plain: per channel block and row, a tile of pixels (a vector along
-    the output's row) for each of the block's channels, so every store is a whole vector and
-    the row's input (a few KB) is read from L1 `block` times; not the output's order, in which
-    every read of a row skips `block` floats, nor the input's, which stores one float at a time
-    to `block` rows (3x slower measured: 112x112, 32 channels)."""
+    the output's row) for each of the block's channels, so every store is a whole vector; not
+    the output's order, in which every read of a row skips `block` floats, nor the input's,
+    which stores one float at a time to `block` rows (3x slower measured: 112x112, 32
+    channels). With `block` the vector's lanes, the codegen copies each tile across in
+    registers (`block` loads of whole blocks and a transpose: 3.6x faster than a gather per
+    vector, measured on the same case)."""
     rank = len(stage.shape)
     channel, spatial = stage.loop(1), [stage.loop(k) for k in range(2, rank)]
     if stage.shape[1] <= block:  # part of one block (a 2-class head): channels innermost
