@@ -1561,7 +1561,7 @@ def unblock_schedule(stage: StageInfo, block: int, target: Target) -> list[Recor
     if stage.shape[1] <= block:  # part of one block (a 2-class head): channels innermost
         records = [Reorder((stage.loop(0), *spatial, channel)), Unroll(channel)]
         return [*records, Parallel(spatial[0])]
-    width, lanes = spatial[-1], target.vector_lanes
+    width, lanes = spatial[-1], _tile_pixels(block, target)
     blocks = Split(channel, block)
     inner = blocks.inner
     records: list[Record] = [blocks, Reorder((stage.loop(0), blocks.outer, *spatial, inner))]
@@ -1583,15 +1583,24 @@ def unblock_schedule(stage: StageInfo, block: int, target: Target) -> list[Recor
     return [*records, rows, Parallel(rows.fused)]
 
 
+def _tile_pixels(block: int, target: Target) -> int:
+    """The pixels of a layout transform's tile: as many as the block's channels where the
+    codegen can copy the square tile across in registers (a power of two, at least 4, no
+    wider than a vector), else a vector's lanes."""
+    lanes = target.vector_lanes
+    return block if 4 <= block <= lanes and not block & (block - 1) else lanes
+
+
 def block_schedule(stage: StageInfo, target: Target) -> list[Record]:
-    """NC[D][H]W -> NC[D][H]W[b]c with b the vector width: per channel block and row, tiles
-    of b pixels x b channels, the pixels unrolled around a vector of channels, so that the
-    codegen copies each tile across in registers (b loads along the input's rows, a
-    transpose, b stores of whole blocks) instead of gathering every vector of channels from
-    b rows a whole plane apart (4.5x slower measured: 112 x 112, 32 channels)."""
+    """NC[D][H]W -> NC[D][H]W[b]c: per channel block and row, tiles of b pixels x b channels,
+    the pixels unrolled around a vector of channels, so that the codegen copies each tile
+    across in registers (b loads along the input's rows, a transpose, b stores of whole
+    blocks) instead of gathering every vector of channels from b rows a whole plane apart
+    (4.5x slower measured: 112 x 112, 32 channels)."""
     rank = len(stage.shape)
-    block, width, lanes = stage.shape[-1], stage.shape[-2], target.vector_lanes
+    block, width = stage.shape[-1], stage.shape[-2]
     channels, spatial = stage.loop(rank - 1), [stage.loop(k) for k in range(2, rank - 1)]
+    lanes = _tile_pixels(block, target)
     if block != lanes or width < lanes:
         return generic_schedule(stage, target)
     pixels = SplitOverlap(spatial[-1], lanes) if width % lanes else Split(spatial[-1], lanes)
