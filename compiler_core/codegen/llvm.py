@@ -276,7 +276,7 @@ class FunctionEmitter:
         unrolled loop (one per lane of the vector loop), transposed in registers, L vector
         stores along the vector loop; not L gathers of L elements each a row apart."""
         vector = loop.body
-        store, lanes = vector.body, loop.extent
+        (guard, store), lanes = _guarded_store(vector.body), loop.extent
         u, v = loop.var.name, vector.var.name
         indices = ir.Constant(ir.VectorType(I64, lanes), list(range(lanes)))
 
@@ -291,7 +291,12 @@ class FunctionEmitter:
             if kind != "contiguous":  # `_transposed_copy` checked the store's lane stride
                 raise CodegenError(f"{store.buffer.name}: a tile's store is not contiguous")
             value = self._to_memory(b, column, store.buffer.dtype)
-            b.store(value, where, align=_align(store.buffer.dtype))
+            if guard is None:
+                b.store(value, where, align=_align(store.buffer.dtype))
+                continue
+            column_scope = dataclasses.replace(scope, values={**scope.values, u: I64(i)})
+            with b.if_then(self._expr(b, column_scope, guard)):
+                b.store(value, where, align=_align(store.buffer.dtype))
 
     def _counted_loop(self, b, scope, loop: For, start, stop) -> None:
         fn = b.function
@@ -1034,8 +1039,8 @@ def _transposed_copy(loop: For) -> bool:
         return False
     if vector.extent != lanes or lanes < 4 or lanes & (lanes - 1):
         return False
-    store = vector.body
-    if not isinstance(store, Store):
+    guard, store = _guarded_store(vector.body)
+    if store is None:
         return False
     load = store.value.a if isinstance(store.value, Cast) else store.value
     if not isinstance(load, Load):
@@ -1043,10 +1048,22 @@ def _transposed_copy(loop: For) -> bool:
     u, v = loop.var.name, vector.var.name
     read = flat_index(load.buffer, load.indices)
     return (
-        lane_stride(flat_index(store.buffer, store.indices), v) == 1
+        (guard is None or not mentions(guard, v))
+        and lane_stride(flat_index(store.buffer, store.indices), v) == 1
         and lane_stride(read, u) == 1
         and lane_stride(read, v) != 1
     )
+
+
+def _guarded_store(s: Stmt) -> tuple[Expr | None, Store | None]:
+    """(condition or None, the store) of a store, or of a store under a one-armed condition
+    (the channels of a partial last block: `_transposed_copy` lets it depend on the unrolled
+    loop, whose iterations are the tile's columns, not on the lanes); (None, None) else."""
+    if isinstance(s, Store):
+        return None, s
+    if isinstance(s, IfThenElse) and s.otherwise is None and isinstance(s.then, Store):
+        return s.cond, s.then
+    return None, None
 
 
 def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:

@@ -363,6 +363,29 @@ def test_layout_transform_between_padded_blocks(width):
     np.testing.assert_array_equal(out["y"], plain)
     np.testing.assert_array_equal(out["a"], to_blocked(plain, 16))
     assert not out["a"][0, 2, ..., 5:].any()  # padding lanes are zero
+    if host_target().vector_lanes == 16 and width >= 16:
+        # 16-blocks -> plain copies tiles across, the last block's 5 channels stored alone.
+        assert tiled_copies(graph)[-1], width
+
+
+def tiled_copies(graph) -> list[bool]:
+    """Per kernel of `graph`: whether the codegen copies tiles of it across in registers."""
+    from compiler_core.build import build_kernels
+    from compiler_core.codegen.llvm import _transposed_copy
+    from compiler_core.loop.ir import For, ForKind
+    from compiler_core.loop.transform import walk_stmts
+
+    def unrolled(kernel):
+        return [
+            s
+            for s in walk_stmts(kernel.func.body)
+            if isinstance(s, For) and s.kind == ForKind.UNROLLED
+        ]
+
+    return [
+        any(_transposed_copy(loop) for loop in unrolled(k))
+        for k in build_kernels(graph, host_target())
+    ]
 
 
 @pytest.mark.parametrize(
@@ -378,9 +401,7 @@ def test_layout_transforms_copy_whole_tiles_across(spatial, dtype, half):
     are copied across in registers (the codegen's transposed-tile rule matched: no gathers),
     bit-exact."""
     from compiler_core.build import build_kernels
-    from compiler_core.codegen.llvm import _transposed_copy, build_module
-    from compiler_core.loop.ir import For, ForKind
-    from compiler_core.loop.transform import walk_stmts
+    from compiler_core.codegen.llvm import build_module
 
     target = host_target()
     lanes = target.vector_lanes >> half
@@ -413,15 +434,10 @@ def test_layout_transforms_copy_whole_tiles_across(spatial, dtype, half):
     out = load(compile_graph(graph, target)).run({"x": x})
     np.testing.assert_array_equal(out["a"], to_blocked(x, lanes))
     np.testing.assert_array_equal(out["y"], x)
-    kernels = build_kernels(graph, target)
-    unrolled = [
-        [s for s in walk_stmts(k.func.body) if isinstance(s, For) and s.kind == ForKind.UNROLLED]
-        for k in kernels
-    ]
-    tiled = [any(_transposed_copy(loop) for loop in loops) for loops in unrolled]
+    tiled = tiled_copies(graph)
     assert tiled == [spatial[-1] >= lanes] * 2, tiled
     if spatial[-1] >= lanes:
-        text = str(build_module([k.func for k in kernels], target))
+        text = str(build_module([k.func for k in build_kernels(graph, target)], target))
         assert "gather" not in text and "shufflevector" in text
 
 
