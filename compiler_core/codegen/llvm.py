@@ -1032,26 +1032,31 @@ def build_module(funcs: Sequence[PrimFunc], target: Target, name: str = "kiln") 
 def _transposed_copy(loop: For) -> bool:
     """Whether `loop` (unrolled, L iterations) holds only a vector loop of L lanes (L a power of
     two) whose one statement copies across: its store moves by one element per lane of the
-    vector loop, and its load (or a cast of it) moves by one per iteration of the unrolled loop
-    but not per lane. NCHW -> NCHW16c tiles 16 pixels x 16 channels so, and back."""
+    vector loop, and what it stores reads memory along the unrolled loop instead (each load
+    that moves moves by one element per iteration of it; one load, at least, not by one per
+    lane). NCHW -> NCHW16c tiles 16 pixels x 16 channels so, and back, and a head's keys
+    transposed (and scaled) for Q K^T. Computed along the unrolled loop, the stored value is
+    the same arithmetic on the same elements: only the lanes it is computed in differ."""
     vector, lanes = loop.body, loop.extent
     if not (isinstance(vector, For) and vector.kind == ForKind.VECTORIZED):
         return False
     if vector.extent != lanes or lanes < 4 or lanes & (lanes - 1):
         return False
     guard, store = _guarded_store(vector.body)
-    if store is None:
-        return False
-    load = store.value.a if isinstance(store.value, Cast) else store.value
-    if not isinstance(load, Load):
+    if store is None or (guard is not None and mentions(guard, vector.var.name)):
         return False
     u, v = loop.var.name, vector.var.name
-    read = flat_index(load.buffer, load.indices)
+    if lane_stride(flat_index(store.buffer, store.indices), v) != 1:
+        return False
+    reads = [
+        flat_index(x.buffer, x.indices) for x in walk_exprs(store.value) if isinstance(x, Load)
+    ]
+    moving = [r for r in reads if mentions(r, u) or mentions(r, v)]
     return (
-        (guard is None or not mentions(guard, v))
-        and lane_stride(flat_index(store.buffer, store.indices), v) == 1
-        and lane_stride(read, u) == 1
-        and lane_stride(read, v) != 1
+        bool(moving)
+        and all(lane_stride(r, u) == 1 for r in moving)
+        and any(lane_stride(r, v) != 1 for r in moving)
+        and not any(isinstance(x, Load) for r in reads for x in walk_exprs(r))
     )
 
 

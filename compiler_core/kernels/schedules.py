@@ -1518,7 +1518,9 @@ def transposed_read_tiles(func: PrimFunc, target: Target) -> list[Record]:
     and its inner part moved just outside the vector loop. Each vector then gathers from the
     same lanes-many lines as the one before, from L1, where the whole row of gathers
     (every line of a column strip) fell out of L1 before the loop came back to it: keys laid
-    out for Q K^T read 2x faster. Empty where there is no such loop."""
+    out for Q K^T read 2x faster. Where the vector loop is one vector, the tile is square
+    and unrolled: the codegen then loads its rows whole and transposes them in registers
+    (`_transposed_tile`), no gathers at all. Empty where there is no such loop."""
     nest = _vector_nest(func)
     if nest is None or len(nest) < 2:
         return []
@@ -1544,7 +1546,10 @@ def transposed_read_tiles(func: PrimFunc, target: Target) -> list[Record]:
                 return []  # one vector per row already reads the same lines again
             split = Split(rows.var.name, lanes)
             names = [loop.var.name for loop in between]
-            return [split, Reorder((split.outer, *names, split.inner, var))]
+            records = [split, Reorder((split.outer, *names, split.inner, var))]
+            if vector.extent == lanes:  # a square tile: the codegen copies it across
+                records.append(Unroll(split.inner))
+            return records
     return []
 
 

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 from onnx import helper
 
+import compiler_core
 from compiler_core.build import build_group
 from compiler_core.codegen.llvm import build_module
 from compiler_core.codegen.native import emit_object, link_shared
 from compiler_core.frontend.onnx import import_model
 from compiler_core.loop import interpreter
 from compiler_core.passes.pipeline import optimize
+from compiler_core.runtime import load
 from compiler_core.runtime.library import KernelLibrary
 from compiler_core.target import host_target
 from tests.conftest import FLOAT, make_model, parallel_loop
@@ -177,6 +179,18 @@ def layer_norm_model():
     )
 
 
+def transposed_scaled_model():
+    return make_model(
+        [
+            helper.make_node("Transpose", ["x"], ["t"], name="t", perm=[1, 2, 0]),
+            helper.make_node("Mul", ["t", "scale"], ["y"], name="scale"),
+        ],
+        [("x", FLOAT, [64, 2, 48])],
+        [("y", FLOAT, [2, 48, 64])],
+        {"scale": np.array([0.125], np.float32)},
+    )
+
+
 def injective_model():
     return make_model(
         [
@@ -237,7 +251,28 @@ MODELS = {
     # Keys laid out for Q K^T: a column of the input per vector, tiled by transposed_read_tiles.
     "transposed": lambda: single("Transpose", [64, 2, 48], [2, 48, 64], perm=[1, 2, 0]),
     "transposed_ragged": lambda: single("Transpose", [40, 2, 24], [2, 24, 40], perm=[1, 2, 0]),
+    # ... scaled as it is transposed (a head's keys times 1/sqrt(d)): square tiles copied across.
+    "transposed_scaled": transposed_scaled_model,
 }
+
+
+def test_a_transposed_copy_takes_square_tiles_the_codegen_copies_across():
+    """Keys transposed and scaled: the tile of 16 rows x one vector is unrolled, the codegen
+    copies it across in registers (no gathers), and it matches numpy."""
+    from compiler_core.codegen.llvm import _transposed_copy
+    from compiler_core.loop.ir import For, ForKind
+    from compiler_core.loop.transform import walk_stmts
+
+    target = host_target()
+    graph = optimize(import_model(transposed_scaled_model()))
+    (group,) = graph.groups
+    func = build_group(graph, group, 0, target).func
+    loops = [s for s in walk_stmts(func.body) if isinstance(s, For) and s.kind == ForKind.UNROLLED]
+    assert any(_transposed_copy(loop) for loop in loops)
+    assert "gather" not in str(build_module([func], target))
+    x = RNG.standard_normal((64, 2, 48)).astype(np.float32)
+    y = load(compiler_core.compile(transposed_scaled_model())).run({"x": x})["y"]
+    np.testing.assert_array_equal(y, x.transpose(1, 2, 0) * np.float32(0.125))
 
 
 def random_args(func):
