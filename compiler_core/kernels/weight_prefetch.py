@@ -97,7 +97,7 @@ def plan(
     one per leading parameter), floating-point work `flops`, and `weights` the names of the
     constant inputs (the weights blob's)."""
     own = _own_weight_bytes(funcs, inputs, weights)
-    budgets = [_budget(*args) for args in zip(funcs, flops, own, strict=True)]
+    budgets = prefetch_budgets(funcs, inputs, flops, weights)
     prefetches = []
     for index, names in enumerate(inputs):
         for value, buffer in zip(names, funcs[index].params, strict=False):
