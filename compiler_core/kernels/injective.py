@@ -737,7 +737,7 @@ def _layout_transform(ctx: KernelContext, node: Node):
     result = compute(out.shape, body, ctx.stage_name(node))
     if source and not target:
         ctx.note(result.name, unblock=source)  # its schedule reads whole channel blocks
-    elif target and not source and out.shape[1] * target == plain_channels:
+    elif target and not source:
         ctx.note(result.name, block=target)  # ... and writes them, tiles of pixels x channels
     return [result]
 

@@ -392,21 +392,22 @@ def tiled_copies(graph) -> list[bool]:
     ("spatial", "dtype", "half"),
     [((3, 112), "float32", 0), ((5, 20), "float32", 0), ((2, 2, 36), "float32", 0)]
     + [((40,), "float32", 0), ((3, 8), "float32", 0), ((3, 48), "float16", 0)]
-    + [((2, 64), "int64", 0), ((3, 28), "float32", 1), ((3, 4), "float32", 1)],
+    + [((2, 64), "int64", 0), ((3, 28), "float32", 1), ((3, 4), "float32", 1)]
+    + [((3, 36), "float32", 3)],
 )
 def test_layout_transforms_copy_whole_tiles_across(spatial, dtype, half):
-    """Plain -> blocks of a vector's lanes (`half`: half of them) -> plain, for 1-3 spatial
-    dims, rows of whole tiles, a ragged last tile (20, 36, 40, 28: it overlaps the one
-    before) and shorter than a tile (8 and 4: the generic schedule); each direction's tiles
-    are copied across in registers (the codegen's transposed-tile rule matched: no gathers),
-    bit-exact."""
+    """Plain -> blocks of a vector's lanes (`half` 1: half of them; 3: full ones, the last
+    three channels short, zero-padded) -> plain, for 1-3 spatial dims, rows of whole tiles, a
+    ragged last tile (20, 36, 40, 28: it overlaps the one before) and shorter than a tile (8
+    and 4: the generic schedule); each direction's tiles are copied across in registers (the
+    codegen's transposed-tile rule matched: no gathers), bit-exact."""
     from compiler_core.build import build_kernels
     from compiler_core.codegen.llvm import build_module
 
     target = host_target()
-    lanes = target.vector_lanes >> half
+    lanes = target.vector_lanes >> (half == 1)
     rank_name = "NC" + "DHW"[3 - len(spatial) :]
-    channels = 2 * lanes
+    channels = 2 * lanes - (3 if half == 3 else 0)
     x = (np.random.default_rng(5).standard_normal((1, channels, *spatial)) * 100).astype(dtype)
     blocked = (1, 2, *spatial, lanes)
     nodes = (
