@@ -91,6 +91,9 @@ class ImportContext:
         self.known: dict[str, np.ndarray] = {}
         self.constants: dict[str, np.ndarray] = {}
         self.nodes: list[Node] = []
+        # Optionals are resolved at compile time: one that holds a tensor is that tensor's
+        # value; an empty one (Optional with no input) is only a name, kept here.
+        self.empty_optionals: set[str] = set()
         self.fresh = NameGenerator(taken_names)
         self.current: onnx.NodeProto | None = None
 

@@ -25,7 +25,12 @@ from compiler_core.frontend import (
     convert_signal,
     convert_transformer,
 )
-from compiler_core.frontend.common import ImportContext, UnsupportedError, onnx_dtype_name
+from compiler_core.frontend.common import (
+    ImportContext,
+    KilnImportError,
+    UnsupportedError,
+    onnx_dtype_name,
+)
 from compiler_core.frontend.convert_utils import (
     Attrs,
     Converter,
@@ -186,6 +191,33 @@ def convert_dropout(ctx, node, attrs):
     if len(node.output) > 1 and node.output[1]:
         mask = np.ones(ctx.type(node.input[0]).shape, dtype=bool)
         ctx.add_constant(mask, name=node.output[1])
+
+
+def convert_optional(ctx, node, attrs):
+    """Optional of a tensor is the tensor; an empty one is remembered by name (an optional is
+    decided when the graph is built, as a branch of an If with a constant condition is)."""
+    attrs.ignore("type")
+    value = input_at(node, 0)
+    if value:
+        ctx.emit("Identity", [value], [node.output[0]])
+    else:
+        ctx.empty_optionals.add(node.output[0])
+
+
+def convert_optional_has_element(ctx, node, attrs):
+    """A constant: whether the input names a value (a tensor, or a non-empty Optional)."""
+    value = input_at(node, 0)
+    present = bool(value) and value not in ctx.empty_optionals
+    ctx.add_constant(np.array(present), name=node.output[0])
+
+
+def convert_optional_get_element(ctx, node, attrs):
+    value = input_at(node, 0)
+    if not value or value in ctx.empty_optionals:
+        raise KilnImportError(
+            f"node {node.name!r}: OptionalGetElement of an empty optional {value!r} has no value"
+        )
+    ctx.emit("Identity", [value], [node.output[0]])
 
 
 def convert_cast(ctx, node, attrs):
@@ -476,6 +508,9 @@ _CORE: dict[str, dict[int, Converter]] = {
     "CastLike": {15: convert_cast_like},
     "Identity": {1: convert_identity},
     "Dropout": {1: convert_dropout},
+    "Optional": {15: convert_optional},
+    "OptionalHasElement": {15: convert_optional_has_element},
+    "OptionalGetElement": {15: convert_optional_get_element},
     "Constant": {1: convert_constant},
     "ConstantOfShape": {9: convert_constant_of_shape},
     "Range": {11: convert_range},
