@@ -374,13 +374,35 @@ def convert_reduce(axes_from_input: bool) -> Converter:
 
 
 def convert_batch_norm(ctx, node, attrs):
-    attrs.ignore("momentum", "spatial")
+    attrs.ignore("spatial")
+    epsilon, momentum = attrs.get("epsilon", 1e-5), attrs.get("momentum", 0.9)
     if attrs.get("training_mode", 0):
-        raise UnsupportedError(f"node {node.name!r}: BatchNormalization in training mode")
+        _batch_norm_training(ctx, node, epsilon, momentum)
+        return
     single_output(node, "running statistics")
-    ctx.emit(
-        "BatchNormalization", all_inputs(node), [node.output[0]], epsilon=attrs.get("epsilon", 1e-5)
-    )
+    ctx.emit("BatchNormalization", all_inputs(node), [node.output[0]], epsilon=epsilon)
+
+
+def _batch_norm_training(ctx, node, epsilon: float, momentum: float) -> None:
+    """Training mode (opset 14+): normalized by the batch's own mean and population variance
+    over every axis but the channels, and the running statistics (outputs 1 and 2) moved
+    towards them by 1 - momentum."""
+    x, scale, bias, running_mean, running_var = node.input[:5]
+    x_type = ctx.type(x)
+    axes = tuple(a for a in range(x_type.rank) if a != 1)
+    mean = ctx.emit("ReduceMean", [x], axes=axes, keepdims=0)
+    centered = ctx.emit("Sub", [x, ctx.emit("ReduceMean", [x], axes=axes, keepdims=1)])
+    squares = ctx.emit("Mul", [centered, centered])
+    variance = ctx.emit("ReduceMean", [squares], axes=axes, keepdims=0)
+    inputs = [x, scale, bias, mean, variance]
+    ctx.emit("BatchNormalization", inputs, [node.output[0]], epsilon=epsilon)
+    keep = ctx.add_constant(np.array(momentum, x_type.dtype), prefix="momentum")
+    take = ctx.add_constant(np.array(1 - momentum, x_type.dtype), prefix="momentum")
+    statistics = zip(node.output[1:3], (running_mean, running_var), (mean, variance), strict=False)
+    for output, running, batch in statistics:
+        if output:
+            kept = ctx.emit("Mul", [running, keep])
+            ctx.emit("Add", [kept, ctx.emit("Mul", [batch, take])], [output])
 
 
 def convert_layer_norm(ctx, node, attrs):
