@@ -23,6 +23,7 @@ from compiler_core.frontend import (
     convert_quantize,
     convert_recurrent,
     convert_signal,
+    convert_text,
     convert_transformer,
 )
 from compiler_core.frontend.common import (
@@ -611,6 +612,7 @@ CONVERTERS: dict[str, dict[int, Converter]] = merge_tables(
         convert_signal.CONVERTERS,
         convert_linalg.CONVERTERS,
         convert_control.CONVERTERS,
+        convert_text.CONVERTERS,
     ),
     "converter",
 )

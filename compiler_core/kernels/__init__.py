@@ -16,6 +16,7 @@ from compiler_core.kernels import (
     recurrent,
     reduce,
     signal,
+    text,
     transformer,
 )
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
@@ -33,6 +34,7 @@ KERNELS: dict[str, Builder] = merge_tables(
         recurrent.KERNELS,
         linear_attention.KERNELS,
         control.KERNELS,
+        text.KERNELS,
     ),
     "kernel",
 )

@@ -21,6 +21,7 @@ from compiler_core.graph.ops import (
     reduce,
     signal,
     tensor,
+    text,
     transformer,
 )
 from compiler_core.graph.ops.base import OpDef
@@ -43,6 +44,7 @@ _FAMILIES = (
     signal.OPS,
     linalg.OPS,
     control.OPS,
+    text.OPS,
 )
 
 
