@@ -10,12 +10,8 @@ from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.text import counted_grams
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
 from compiler_core.kernels.injective import clamp
-from compiler_core.loop.ir import INDEX, Binary, Cast, Const, Select, logical_and
+from compiler_core.loop.ir import INDEX, Cast, Const, Select, logical_and, logical_or
 from compiler_core.te import compute, reduce_axis, reduce_sum
-
-
-def logical_or(a, b):
-    return Binary("or", a, b)
 
 
 def _tables(ctx: KernelContext, node: Node, grams):

@@ -371,6 +371,10 @@ def logical_and(a, b) -> Expr:
     return Binary("and", as_expr(a), as_expr(b))
 
 
+def logical_or(a, b) -> Expr:
+    return Binary("or", as_expr(a), as_expr(b))
+
+
 # --- statements --------------------------------------------------------------------------------
 
 
