@@ -1048,9 +1048,10 @@ def _transposed_copy(loop: For) -> bool:
     u, v = loop.var.name, vector.var.name
     if lane_stride(flat_index(store.buffer, store.indices), v) != 1:
         return False
-    reads = [
-        flat_index(x.buffer, x.indices) for x in walk_exprs(store.value) if isinstance(x, Load)
-    ]
+    loads = [x for x in walk_exprs(store.value) if isinstance(x, Load)]
+    if any(x.buffer == store.buffer for x in loads):
+        return False  # every load is emitted before any store: none may read what one writes
+    reads = [flat_index(x.buffer, x.indices) for x in loads]
     moving = [r for r in reads if mentions(r, u) or mentions(r, v)]
     return (
         bool(moving)
