@@ -98,8 +98,11 @@ class ImportContext:
         self.current: onnx.NodeProto | None = None
 
     def subcontext(self, taken_names: set[str]) -> ImportContext:
-        """A context for a body graph, converted with the same opset and rules."""
-        return ImportContext(self.opset, taken_names, self.convert)
+        """A context for a body graph, converted with the same opset and rules; the empty
+        optionals of the graphs around it are empty in it too."""
+        body = ImportContext(self.opset, taken_names, self.convert)
+        body.empty_optionals = set(self.empty_optionals)
+        return body
 
     # queries
 

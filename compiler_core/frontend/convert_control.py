@@ -96,6 +96,8 @@ def import_body(
         _check_declared(where, value, typ)
         sub.types[value.name] = typ
     for name in free:
+        if name in ctx.empty_optionals:  # a name with no value: nothing to pass in
+            continue
         sub.types[name] = ctx.type(name)
         if ctx.has_value(name):
             sub.known[name] = ctx.known[name]

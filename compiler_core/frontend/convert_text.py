@@ -8,10 +8,6 @@ from compiler_core.frontend.convert_utils import Converter
 MODES = ("TF", "IDF", "TFIDF")
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def pool_grams(counts, pool) -> list[tuple[int, ...]]:
     """The pool split into its n-grams: `counts[n - 1]` is where the n-grams start, each
     n tokens long, up to where the next length starts (or the pool ends)."""
@@ -30,7 +26,7 @@ def pool_grams(counts, pool) -> list[tuple[int, ...]]:
 def convert_tfidf_vectorizer(ctx, node, attrs):
     if attrs.has("pool_strings"):
         raise UnsupportedError(f"node {node.name!r}: TfIdfVectorizer over strings")
-    mode = _text(attrs.get("mode"))
+    mode = attrs.get("mode")
     if mode not in MODES:
         raise KilnImportError(f"node {node.name!r}: mode {mode!r} is not one of {MODES}")
     grams = pool_grams(list(attrs.get("ngram_counts")), list(attrs.get("pool_int64s")))

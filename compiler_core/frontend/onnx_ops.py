@@ -391,8 +391,9 @@ def _batch_norm_training(ctx, node, epsilon: float, momentum: float) -> None:
     x, scale, bias, running_mean, running_var = node.input[:5]
     x_type = ctx.type(x)
     axes = tuple(a for a in range(x_type.rank) if a != 1)
-    mean = ctx.emit("ReduceMean", [x], axes=axes, keepdims=0)
-    centered = ctx.emit("Sub", [x, ctx.emit("ReduceMean", [x], axes=axes, keepdims=1)])
+    kept_mean = ctx.emit("ReduceMean", [x], axes=axes, keepdims=1)
+    mean = emit_reshape(ctx, kept_mean, (x_type.shape[1],))  # a view: reduced once
+    centered = ctx.emit("Sub", [x, kept_mean])
     squares = ctx.emit("Mul", [centered, centered])
     variance = ctx.emit("ReduceMean", [squares], axes=axes, keepdims=0)
     inputs = [x, scale, bias, mean, variance]
