@@ -255,9 +255,13 @@ def compile_graph(
     model_sha: str = "",
     verify: bool = True,
     tuning=None,
+    configs: dict[str, dict] | None = None,
 ) -> ModuleArchive:
     """Build `graph` for `target`; `tuning` (a log path, `redis://` URL or TuningLog) supplies
-    the best measured schedule of every task it has records for."""
+    the best measured schedule of every task it has records for, or `configs` ({workload key:
+    config}, no log) the schedule of each task it names. Tasks neither names take defaults."""
+    if tuning is not None and configs is not None:
+        raise ValueError("compile_graph takes a tuning log or explicit configs, not both")
     if target.is_gpu:
         return compile_gpu_graph(graph, target, model_sha, verify, tuning)
     started = time.perf_counter()
@@ -266,6 +270,10 @@ def compile_graph(
         from compiler_core.autotune.apply import tuned_schedules
 
         schedules, tuned, choices = tuned_schedules(graph, target, tuning)
+    elif configs is not None:
+        from compiler_core.autotune.apply import configured_schedules
+
+        schedules, tuned, choices = configured_schedules(graph, target, configs)
     compiled = build_graph(graph, target, schedules, choices)
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
         library = link_shared(compiled.objects, Path(tmp) / "model.so").read_bytes()

@@ -27,7 +27,7 @@ def tuned_schedules(
     OpenCL-twin records have their own and apply only when asked for by it."""
     log = open_log(tuning)
     fingerprint = fingerprint or target.fingerprint
-    schedules, notes, choices = {}, {}, {}
+    chosen = []
     for task in extract_tasks(graph, target):
         best, records = _best_applicable(log, task, fingerprint)
         if best is None:
@@ -40,12 +40,41 @@ def tuned_schedules(
             "measured_us": round(best.cost * 1e6, 3),
             "gflops": round(best.gflops, 2),
         }
-        chosen = task.choices(best.config)
+        chosen.append((task, best.config, records, note))
+    return _per_group(chosen)
+
+
+def configured_schedules(
+    graph: Graph, target: Target, configs: dict[str, dict]
+) -> tuple[dict[str, list[Record]], dict[str, dict], dict[str, dict]]:
+    """As `tuned_schedules`, for explicit configs {workload key: config} instead of a log's
+    best records (a config nobody measured: the in-model check's alternatives). A config the
+    task's template refuses is an error here: the caller made it, no log did."""
+    chosen = []
+    for task in extract_tasks(graph, target):
+        config = configs.get(task.key)
+        if config is None:
+            continue
+        note = {
+            "schedule": "configured",
+            "template": f"{task.template}/v{task.template_version}",
+            "config": config,
+            "workload_key": task.key,
+        }
+        chosen.append((task, config, task.records(config), note))
+    return _per_group(chosen)
+
+
+def _per_group(chosen: list[tuple[Task, dict, list[Record], dict]]):
+    """Each (task, config, schedule records, manifest note) spread over the task's groups."""
+    schedules, notes, choices = {}, {}, {}
+    for task, config, records, note in chosen:
+        algorithm = task.choices(config)
         for group in task.groups:
             schedules[group] = records
             notes[group] = note
-            if chosen:
-                choices[group] = chosen
+            if algorithm:
+                choices[group] = algorithm
     return schedules, notes, choices
 
 

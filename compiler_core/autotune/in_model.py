@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import tempfile
-from pathlib import Path
 
 from compiler_core.autotune.apply import tuned_schedules
 from compiler_core.autotune.measure import Result
-from compiler_core.autotune.records import FileLog, TuningLog
+from compiler_core.autotune.records import TuningLog
 from compiler_core.autotune.search import measured_record
 from compiler_core.autotune.tasks import ALGORITHM, DIRECT, Task, config_key
 from compiler_core.graph.ir import Graph
@@ -110,7 +108,7 @@ def check_in_model(
     ]
     alternatives = _algorithm_defaults(tasks, tuned)
     if alternatives:
-        builds.append(_alternatives_build(graph, target, alternatives, measurer, threads))
+        builds.append(_alternatives_build(graph, target, alternatives, threads))
     per_group = _profile_rounds(graph, builds, rounds)
     timings = []
     for task in tasks:
@@ -145,21 +143,12 @@ def _algorithm_defaults(tasks: list[Task], tuned: dict[str, dict]) -> dict[str, 
     return alternatives
 
 
-def _alternatives_build(graph: Graph, target: Target, alternatives, measurer, threads):
-    """The model built with each alternative config (through a log of its own, which holds
-    nothing else) and every other task at its default."""
+def _alternatives_build(graph: Graph, target: Target, alternatives, threads):
+    """The model built with each alternative config and every other task at its default."""
     from compiler_core.compiler import compile_graph
 
-    with (
-        tempfile.TemporaryDirectory(prefix="kiln-in-model-") as tmp,
-        FileLog(Path(tmp) / "alternatives.jsonl") as log,
-    ):
-        log.extend(
-            measured_record(task, config, Result((1.0,)), measurer)
-            for task, config in alternatives.values()
-        )
-        archive = compile_graph(graph, target, verify=False, tuning=log)
-    return load(archive, num_threads=threads)
+    configs = {task.key: config for task, config in alternatives.values()}
+    return load(compile_graph(graph, target, verify=False, configs=configs), num_threads=threads)
 
 
 def _profile_rounds(graph: Graph, builds, rounds: int) -> list[list[dict[str, float]]]:

@@ -160,6 +160,30 @@ def test_strassen_gemms_match_onnxruntime(name, tmp_path, measurer):
     assert_close_to_scale(load(archive).run(feeds)["z"], expected, label=name)
 
 
+def test_a_build_from_explicit_configs_runs_each_named_task_at_its_config():
+    """`compile_graph(configs=...)` (how the in-model check builds configs nobody measured):
+    the named task at its config, noted "configured" in the manifest, equal to ONNX Runtime;
+    a config the template refuses, or a log and configs at once, is an error."""
+    from compiler_core.compiler import compile_graph
+
+    model = gemm_model(64, 512, 512)
+    graph = optimize(import_model(model))
+    (task,) = extract_tasks(graph, host_target())
+    config = next(c for c in task.space() if c[ALGORITHM] == STRASSEN)
+    archive = compile_graph(graph, host_target(), configs={task.key: config})
+    assert archive.manifest["verification"]["passed"], archive.manifest["verification"]
+    (note,) = [k for k in archive.manifest["kernels"].values() if isinstance(k, dict)]
+    assert note["schedule"] == "configured" and note["config"] == config
+    feeds = {"x": rand(64, 512)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(["z"], feeds)[0]
+    assert_close_to_scale(load(archive).run(feeds)["z"], expected, label="configured")
+    with pytest.raises(ValueError, match="mr"):
+        compile_graph(graph, host_target(), configs={task.key: {**config, "mr": 10_000}})
+    with pytest.raises(ValueError, match="not both"):
+        compile_graph(graph, host_target(), tuning="log.jsonl", configs={task.key: config})
+
+
 def strassen_stages(model):
     graph = optimize(import_model(model), target=host_target())
     (group,) = graph.groups
