@@ -359,6 +359,7 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
         algorithm=chosen,
         strides=strides,
         in_width=x.shape[-2],  # a chained depthwise conv's tile reads rows this wide
+        plain_data=not data_block,  # each input channel a row of its own
         # What each thread reads in its share, split by rows or by channels (see
         # schedules.rows_before_channels).
         input_bytes=math.prod(x.shape) * np.dtype(x.dtype).itemsize,

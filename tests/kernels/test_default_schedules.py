@@ -432,6 +432,56 @@ def test_a_conv_hands_its_threads_rows_first_when_its_input_outweighs_its_weight
     assert (rows < channels) is rows_first, fused
 
 
+def conv1d_pair():
+    """Conv1d of plain data (32 channels x 301: more input than weights) -> Relu -> Conv1d
+    of the first conv's blocked output."""
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", strides=[2]),
+            helper.make_node("Relu", ["a"], ["r"], name="relu"),
+            helper.make_node("Conv", ["r", "w2"], ["y"], name="c2", strides=[2]),
+        ],
+        [("x", FLOAT, [1, 32, 301])],
+        [("y", FLOAT, [1, 32, 74])],
+        {"w1": w(32, 32, 3) * 0.2, "w2": w(32, 32, 3) * 0.2},
+    )
+
+
+def test_a_1d_conv_of_plain_data_hands_its_threads_row_tiles_first(tmp_path):
+    """Split by channel chunks, every chunk of a 1-D conv of plain data reads each input
+    channel's row in pieces; its default puts the row tiles first (`x_mo`); the conv of
+    blocked data keeps channels first. Each parallel value computes the same result."""
+    from compiler_core.autotune.tasks import extract_tasks
+    from compiler_core.kernels.schedules import TILES_FIRST
+
+    target = host_target()
+    graph = optimize(import_model(conv1d_pair()), target=target)
+    plain, blocked = extract_tasks(graph, target)
+    assert plain.tunable.anchor.note("plain_data") and not blocked.tunable.anchor.note("plain_data")
+    assert plain.default_config()["parallel"] == TILES_FIRST
+    assert blocked.default_config()["parallel"] == "mo_y"
+    conv = plain.tunable.anchor
+    fused = parallel_loop(plain)
+    assert fused.index(conv.loop(2)) < fused.index(conv.loop(1)), fused
+    index = [g.name for g in graph.groups].index(plain.groups[0])
+    group = graph.groups[index]
+    naive = build_group(graph, group, index, target, schedule=[])
+    args = random_args(naive.func)
+    expected = {k: v.copy() for k, v in args.items()}
+    interpreter.run(naive.func, expected)
+    for parallel in ("mo_y", "mo_y_x", TILES_FIRST):
+        records = plain.records({**plain.default_config(), "parallel": parallel})
+        scheduled = build_group(graph, group, index, target, schedule=records)
+        native = {k: v.copy() for k, v in args.items()}
+        obj = emit_object(build_module([scheduled.func], target), target)
+        library = KernelLibrary(link_shared([obj], tmp_path / f"{parallel}.so"))
+        library.call(scheduled.func.name, [native[b.name] for b in scheduled.func.params])
+        for buf in scheduled.func.params:
+            np.testing.assert_allclose(
+                native[buf.name], expected[buf.name], rtol=1e-4, atol=1e-5, err_msg=parallel
+            )
+
+
 @pytest.mark.parametrize(
     ("shape", "tiled"),
     [([64, 2, 48], True), ([16, 2, 48], False), ([64, 2, 8], False), ([40, 2, 48], False)],
