@@ -608,10 +608,43 @@ KERNELS["TopK"] = _top_k
 
 
 def _instance_norm(ctx: KernelContext, node: Node):
-    """Per (batch, channel): normalize over the spatial axes, then scale and shift."""
+    """Per (batch, channel): normalize over the spatial axes, then scale and shift. Each
+    channel's spatial elements are a contiguous row: its sum and centered sum of squares are
+    vector row reductions (`row_reduce`), as a layer norm's are; as scalar loops they ran
+    wav2vec2's first extractor norm (512 rows of 3199) at 2.3 ms against ONNX Runtime's 1.7."""
     x, scale, bias = (ctx.tensor(v) for v in node.inputs)
     spatial = x.shape[2:]
     inverse_count = Const(1.0 / math.prod(spatial), x.dtype)
+    eps = Const(node.attr("epsilon", 1e-5), x.dtype)
+    rows = _trailing_rows(ctx, node.inputs[0], x, list(range(2, len(x.shape))))
+    if rows is None:
+        total, squares = _instance_norm_scalar_stats(ctx, node, x, inverse_count)
+    else:
+        sums = COMBINER_KINDS[reduce_sum]
+        total = row_reduce(ctx, node, rows.shape, tuple, rows, sums, rows.at)
+
+        def centered_square(r, k):
+            d = rows.at(r, k) - total[r] * inverse_count
+            return d * d
+
+        squares = row_reduce(ctx, node, rows.shape, tuple, rows, sums, centered_square)
+
+    def body(n, c, *s):
+        mean = total[(n, c)] * inverse_count
+        # times 1/std: one division and root per row, hoisted out of the row's loop
+        inverse_std = Const(1.0, x.dtype) / Unary("sqrt", squares[(n, c)] * inverse_count + eps)
+        return (x[(n, c, *s)] - mean) * inverse_std * scale[(c,)] + bias[(c,)]
+
+    out = compute(x.shape, body, ctx.stage_name(node))
+    if rows is not None:
+        note_row_stages(ctx, out, 2, [total, squares])
+    return [out]
+
+
+def _instance_norm_scalar_stats(ctx: KernelContext, node: Node, x, inverse_count):
+    """Each (batch, channel)'s sum and centered sum of squares as scalar reductions (rows
+    the vector form cannot take: half precision, fewer elements than a vector)."""
+    spatial = x.shape[2:]
     ks = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
     total = compute(x.shape[:2], lambda n, c: reduce_sum(x[(n, c, *ks)], ks), ctx.stage_name(node))
     ks2 = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
@@ -620,15 +653,7 @@ def _instance_norm(ctx: KernelContext, node: Node):
         d = x[(n, c, *ks2)] - total[(n, c)] * inverse_count
         return reduce_sum(d * d, ks2)
 
-    squares = compute(x.shape[:2], centered_square, ctx.stage_name(node))
-    eps = Const(node.attr("epsilon", 1e-5), x.dtype)
-
-    def body(n, c, *s):
-        mean = total[(n, c)] * inverse_count
-        std = Unary("sqrt", squares[(n, c)] * inverse_count + eps)
-        return (x[(n, c, *s)] - mean) / std * scale[(c,)] + bias[(c,)]
-
-    return [compute(x.shape, body, ctx.stage_name(node))]
+    return total, compute(x.shape[:2], centered_square, ctx.stage_name(node))
 
 
 KERNELS["InstanceNormalization"] = _instance_norm

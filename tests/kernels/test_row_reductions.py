@@ -1,7 +1,7 @@
-"""Row reductions (softmax, layer norm, group norm, reduce over trailing and spatial axes) and
-plain-NCHW pooling: native code agrees with ONNX Runtime on odd row lengths (shorter than a
-vector, a prime number of elements, several vectors and a remainder), and the loop-IR
-interpreter agrees with the native code for the row schedules."""
+"""Row reductions (softmax, layer norm, group and instance norm, reduce over trailing and
+spatial axes) and plain-NCHW pooling: native code agrees with ONNX Runtime on odd row lengths
+(shorter than a vector, a prime number of elements, several vectors and a remainder), and the
+loop-IR interpreter agrees with the native code for the row schedules."""
 
 from __future__ import annotations
 
@@ -83,6 +83,22 @@ def test_layer_norm(shape, axis, bias):
     if bias:
         weights["bias"] = RNG.standard_normal(inner)
     model = one_node("LayerNormalization", shape, shape, weights=weights, opset=17, axis=axis)
+    check_against_ort(model, shape, scale=3.0)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [1, 8, 3199],  # wav2vec2's extractor norm: 199 vectors and a remainder
+        [2, 3, 7, 9],  # two spatial axes, read as one flat row of 63
+        [2, 4, 5],  # rows shorter than a vector: the scalar sums
+        [1, 2, 4, 4, 3],
+    ],
+)
+def test_instance_norm(shape):
+    channels = shape[1]
+    weights = {"scale": RNG.standard_normal(channels) + 1.0, "bias": RNG.standard_normal(channels)}
+    model = one_node("InstanceNormalization", shape, shape, weights=weights, opset=6)
     check_against_ort(model, shape, scale=3.0)
 
 
@@ -208,6 +224,13 @@ SCHEDULED = {
         weights={"scale": RNG.standard_normal(6), "bias": RNG.standard_normal(6)},
         opset=21,
         num_groups=3,
+    ),
+    "instance_norm": lambda: one_node(
+        "InstanceNormalization",
+        [1, 3, 37],
+        [1, 3, 37],
+        weights={"scale": RNG.standard_normal(3), "bias": RNG.standard_normal(3)},
+        opset=6,
     ),
     "avgpool_plain": lambda: one_node(
         "AveragePool", [1, 2, 9, 11], [1, 2, 9, 11], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
