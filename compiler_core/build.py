@@ -165,8 +165,8 @@ def build_group(
     default = schedule is None
     records = list(default_schedule(lowered.stages, target) if default else schedule)
     func = apply(lowered.func, records)
-    if default and (tiles := transposed_read_tiles(func, target)):
-        records += tiles
+    if default and (tiled := transposed_read_tiles(func, target, records)) != records:
+        records = tiled
         func = apply(lowered.func, records)
     if prefix:
         func = dataclasses.replace(func, name=prefix + func.name)

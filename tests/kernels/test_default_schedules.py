@@ -179,14 +179,14 @@ def layer_norm_model():
     )
 
 
-def transposed_scaled_model():
+def transposed_scaled_model(tokens=64):
     return make_model(
         [
             helper.make_node("Transpose", ["x"], ["t"], name="t", perm=[1, 2, 0]),
             helper.make_node("Mul", ["t", "scale"], ["y"], name="scale"),
         ],
-        [("x", FLOAT, [64, 2, 48])],
-        [("y", FLOAT, [2, 48, 64])],
+        [("x", FLOAT, [tokens, 2, 48])],
+        [("y", FLOAT, [2, 48, tokens])],
         {"scale": np.array([0.125], np.float32)},
     )
 
@@ -253,6 +253,7 @@ MODELS = {
     "transposed_ragged": lambda: single("Transpose", [40, 2, 24], [2, 24, 40], perm=[1, 2, 0]),
     # ... scaled as it is transposed (a head's keys times 1/sqrt(d)): square tiles copied across.
     "transposed_scaled": transposed_scaled_model,
+    "transposed_scaled_ragged": lambda: transposed_scaled_model(tokens=197),
 }
 
 
@@ -484,19 +485,50 @@ def test_a_1d_conv_of_plain_data_hands_its_threads_row_tiles_first(tmp_path):
 
 @pytest.mark.parametrize(
     ("shape", "tiled"),
-    [([64, 2, 48], True), ([16, 2, 48], False), ([64, 2, 8], False), ([40, 2, 48], False)],
+    [([64, 2, 48], True), ([16, 2, 48], False), ([64, 2, 8], False), ([40, 2, 48], True)],
 )
 def test_a_transposing_copy_reads_its_columns_a_tile_of_rows_at_a_time(shape, tiled):
     """y[h, d, s] = x[s, h, d] (keys laid out for Q K^T): each vector along s gathers a
     column of x. With 64 values of s and 48 of d, the loop over d (x's rows, contiguous) is
-    split by the vector width and its inner part put just outside the vector loop; with one
-    vector of s, rows of x too short to gather across lines, or a ragged s, nothing is added."""
+    split by the vector width and its inner part put just outside the vector loop; with a
+    ragged s (40: two vectors and one ending at 40), d is split before s's overlapping split
+    and its inner part put outside both of s's vector loops; with one vector of s, or rows of
+    x too short to gather across lines, nothing is added."""
     model = single("Transpose", shape, [shape[1], shape[2], shape[0]], perm=[1, 2, 0])
     graph = optimize(import_model(model))
     kernel = build_group(graph, graph.groups[0], 0, host_target())
     added = [r for r in kernel.schedule if type(r).__name__ == "Reorder"]
     assert bool(added) == tiled, kernel.schedule
-    if tiled:
-        split = [r for r in kernel.schedule if type(r).__name__ == "Split"][-1]
-        assert split.loop.endswith("_i1")  # d, the loop along x's rows, not s
+    if not tiled:
+        return
+    split = [r for r in kernel.schedule if type(r).__name__ == "Split"][-1]
+    assert split.loop.endswith("_i1")  # d, the loop along x's rows, not s
+    overlaps = [r for r in kernel.schedule if type(r).__name__ == "SplitOverlap"]
+    if not overlaps:
         assert added[-1].loops[-2] == split.inner  # just outside the vector loop
+        return
+    (overlap,) = overlaps
+    tail_inner = overlap.in_tail(split.inner)
+    assert (split.inner, overlap.inner) in [r.loops for r in added]
+    assert (tail_inner, overlap.tail_loop) in [r.loops for r in added]
+
+
+def test_a_ragged_transposed_copy_takes_square_tiles_in_its_last_vector_too():
+    """Keys of 197 tokens transposed and scaled (ViT-B/16): 12 whole vectors and one ending
+    at 197, each inside an unrolled loop of 16 rows; the codegen copies every tile across in
+    registers (no gathers), and the result matches numpy."""
+    from compiler_core.codegen.llvm import _transposed_copy
+    from compiler_core.loop.ir import For, ForKind
+    from compiler_core.loop.transform import walk_stmts
+
+    target = host_target()
+    model = transposed_scaled_model(tokens=197)
+    graph = optimize(import_model(model))
+    (group,) = graph.groups
+    func = build_group(graph, group, 0, target).func
+    loops = [s for s in walk_stmts(func.body) if isinstance(s, For) and s.kind == ForKind.UNROLLED]
+    assert sum(bool(_transposed_copy(loop)) for loop in loops) == 2
+    assert "gather" not in str(build_module([func], target))
+    x = RNG.standard_normal((197, 2, 48)).astype(np.float32)
+    y = load(compiler_core.compile(model)).run({"x": x})["y"]
+    np.testing.assert_array_equal(y, x.transpose(1, 2, 0) * np.float32(0.125))
