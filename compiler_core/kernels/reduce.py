@@ -643,7 +643,7 @@ def _instance_norm(ctx: KernelContext, node: Node):
 
 def _instance_norm_scalar_stats(ctx: KernelContext, node: Node, x, inverse_count):
     """Each (batch, channel)'s sum and centered sum of squares as scalar reductions (rows
-    the vector form cannot take: half precision, fewer elements than a vector)."""
+    the vector form cannot take: half precision, fewer elements than a vector, a GPU)."""
     spatial = x.shape[2:]
     ks = [reduce_axis(d, f"r{j}") for j, d in enumerate(spatial)]
     total = compute(x.shape[:2], lambda n, c: reduce_sum(x[(n, c, *ks)], ks), ctx.stage_name(node))
