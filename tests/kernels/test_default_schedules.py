@@ -286,6 +286,15 @@ def random_args(func):
     return args
 
 
+def run_native(func, args, target, library_path):
+    """A copy of `args` after the function compiled for `target` ran on it."""
+    native = {k: v.copy() for k, v in args.items()}
+    obj = emit_object(build_module([func], target), target)
+    library = KernelLibrary(link_shared([obj], library_path))
+    library.call(func.name, [native[b.name] for b in func.params])
+    return native
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_default_schedule_keeps_meaning_and_compiles(name, tmp_path):
     graph = optimize(import_model(MODELS[name]()))
@@ -298,10 +307,7 @@ def test_default_schedule_keeps_meaning_and_compiles(name, tmp_path):
         interpreter.run(naive.func, expected)
         interpreted = {k: v.copy() for k, v in args.items()}
         interpreter.run(scheduled.func, interpreted)
-        native = {k: v.copy() for k, v in args.items()}
-        obj = emit_object(build_module([scheduled.func], target), target)
-        library = KernelLibrary(link_shared([obj], tmp_path / f"{name}_{index}.so"))
-        library.call(scheduled.func.name, [native[b.name] for b in scheduled.func.params])
+        native = run_native(scheduled.func, args, target, tmp_path / f"{name}_{index}.so")
         for buf in scheduled.func.params:
             np.testing.assert_allclose(
                 interpreted[buf.name],
@@ -473,10 +479,7 @@ def test_a_1d_conv_of_plain_data_hands_its_threads_row_tiles_first(tmp_path):
     for parallel in ("mo_y", "mo_y_x", TILES_FIRST):
         records = plain.records({**plain.default_config(), "parallel": parallel})
         scheduled = build_group(graph, group, index, target, schedule=records)
-        native = {k: v.copy() for k, v in args.items()}
-        obj = emit_object(build_module([scheduled.func], target), target)
-        library = KernelLibrary(link_shared([obj], tmp_path / f"{parallel}.so"))
-        library.call(scheduled.func.name, [native[b.name] for b in scheduled.func.params])
+        native = run_native(scheduled.func, args, target, tmp_path / f"{parallel}.so")
         for buf in scheduled.func.params:
             np.testing.assert_allclose(
                 native[buf.name], expected[buf.name], rtol=1e-4, atol=1e-5, err_msg=parallel
