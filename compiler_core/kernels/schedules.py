@@ -1632,7 +1632,18 @@ def _ragged_tiles(func: PrimFunc, target: Target, records: list[Record]) -> list
         Unroll(tail_inner),
     ]
     rest = [r for r in records[at + 1 :] if r not in vectorized]
+    if any(rows.var.name in _names_in(r) for r in rest):
+        return None  # a later record addresses the rows loop, which the split replaces
     return [*records[:at], *tiled, *rest]
+
+
+def _names_in(record: Record) -> set[str]:
+    """The loop and stage names a record's fields hold."""
+    names: set[str] = set()
+    for value in dataclasses.asdict(record).values():
+        values = value if isinstance(value, tuple | list) else (value,)
+        names.update(v for v in values if isinstance(v, str))
+    return names
 
 
 def _children(loop: For) -> list:

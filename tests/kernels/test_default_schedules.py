@@ -516,6 +516,29 @@ def test_a_transposing_copy_reads_its_columns_a_tile_of_rows_at_a_time(shape, ti
     assert (tail_inner, overlap.tail_loop) in [r.loops for r in added]
 
 
+def test_a_ragged_copy_is_not_tiled_under_a_record_that_names_its_rows_loop():
+    """The tiles split the rows loop before the overlapping split: a later record that
+    addresses that loop by name (here a Reorder that keeps the order) would no longer find
+    it, so the records are left as they are and still apply."""
+    from compiler_core.build import lower_group
+    from compiler_core.kernels.schedules import default_schedule, transposed_read_tiles
+    from compiler_core.schedule.primitives import Reorder, SplitOverlap, apply
+
+    target = host_target()
+    graph = optimize(import_model(transposed_scaled_model(tokens=197)))
+    lowered = lower_group(graph, graph.groups[0], 0, target)
+    records = list(default_schedule(lowered.stages, target))
+    (overlap,) = [r for r in records if isinstance(r, SplitOverlap)]
+    stage = overlap.loop[: -len("_i2")]
+    rows = stage + "_i1"  # d, the loop along x's rows
+    func = apply(lowered.func, records)
+    assert transposed_read_tiles(func, target, records) != records  # tiled without it
+    named = [*records, Reorder((stage + "_i0", rows))]
+    func = apply(lowered.func, named)
+    assert transposed_read_tiles(func, target, named) == named
+    apply(lowered.func, named)
+
+
 def test_a_ragged_transposed_copy_takes_square_tiles_in_its_last_vector_too():
     """Keys of 197 tokens transposed and scaled (ViT-B/16): 12 whole vectors and one ending
     at 197, each inside an unrolled loop of 16 rows; the codegen copies every tile across in
