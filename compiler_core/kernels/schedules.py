@@ -14,7 +14,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from compiler_core.loop.ir import Block, Expr, For, ForKind, IfThenElse, Load, PrimFunc, Store
-from compiler_core.loop.transform import flat_index, lane_stride, walk_exprs, walk_stmts
+from compiler_core.loop.transform import (
+    find_loop,
+    flat_index,
+    lane_stride,
+    loops_above,
+    walk_exprs,
+    walk_stmts,
+)
 from compiler_core.schedule.primitives import (
     CACHE_LINE_BYTES,
     MAX_VECTOR_LANES,
@@ -265,16 +272,17 @@ def nchwc_conv_schedule(
     cache = CacheWrite(conv.name, reduce_loops[0])
     rows_first = bool(rows) and rows_before_channels(conv)
     tiles_first = config["parallel"] == TILES_FIRST
-    # The loops the threads split, outermost first (`rows_before_channels`).
-    split = [*rows, *outer] if rows_first else [*outer, *rows]
+    # The loops the threads split, outermost first (`rows_before_channels`), then the rest.
     if tiles_first:
-        split = [pixels.outer, *outer]
+        split, tiles = [pixels.outer, *outer], []
+    else:
+        split, tiles = [*rows, *outer] if rows_first else [*outer, *rows], [pixels.outer]
     records += [
         Reorder(
             (
                 n_loop,
                 *split,
-                *([] if tiles_first else [pixels.outer]),
+                *tiles,
                 *inner,
                 *reduce_loops,
                 pixels.inner,
@@ -1603,18 +1611,18 @@ def _ragged_tiles(func: PrimFunc, target: Target, records: list[Record]) -> list
     overlaps = [r for r in records if isinstance(r, SplitOverlap) and r.factor == lanes]
     if len(overlaps) != 1 or overlaps[0].tail not in (0, lanes):
         return None
-    overlap = overlaps[0]
-    loops = {s.var.name: s for s in walk_stmts(func.body) if isinstance(s, For)}
-    vector, whole = loops.get(overlap.inner), loops.get(overlap.outer)
+    overlap, tail = overlaps[0], overlaps[0].tail_loop
+    vector, whole = find_loop(func.body, overlap.inner), find_loop(func.body, overlap.outer)
     if vector is None or whole is None or vector.kind != ForKind.VECTORIZED:
         return None
     if whole.body is not vector or vector.extent != lanes:
         return None
-    rows = _parent_loop(func, whole)
+    rows = (loops_above(func.body, whole) or [None])[-1]
     if rows is None or not any(_walks_rows(rows, f, lanes) for f in _column_loads(vector, lanes)):
         return None
-    tail = overlap.tail_loop
-    if [type(s) for s in _children(rows)] != [For, For] or _children(rows)[1].var.name != tail:
+    # The rows loop holds the whole vectors' loop and the last vector's, nothing else.
+    pair = rows.body.stmts if isinstance(rows.body, Block) else ()
+    if len(pair) != 2 or pair[0] is not whole or pair[1] is not find_loop(rows.body, tail):
         return None
     split = Split(rows.var.name, lanes)
     inner, tail_inner = split.inner, overlap.in_tail(split.inner)
@@ -1644,18 +1652,6 @@ def _names_in(record: Record) -> set[str]:
         values = value if isinstance(value, tuple | list) else (value,)
         names.update(v for v in values if isinstance(v, str))
     return names
-
-
-def _children(loop: For) -> list:
-    body = loop.body
-    return list(body.stmts) if isinstance(body, Block) else [body]
-
-
-def _parent_loop(func: PrimFunc, child: For) -> For | None:
-    for stmt in walk_stmts(func.body):
-        if isinstance(stmt, For) and any(c is child for c in _children(stmt)):
-            return stmt
-    return None
 
 
 def unblock_schedule(stage: StageInfo, block: int, target: Target) -> list[Record]:

@@ -97,7 +97,7 @@ def plan(
     one per leading parameter), floating-point work `flops`, and `weights` the names of the
     constant inputs (the weights blob's)."""
     own = _own_weight_bytes(funcs, inputs, weights)
-    budgets = prefetch_budgets(funcs, inputs, flops, weights)
+    budgets = _budgets(funcs, flops, own)
     prefetches = []
     for index, names in enumerate(inputs):
         for value, buffer in zip(names, funcs[index].params, strict=False):
@@ -150,7 +150,10 @@ def prefetch_budgets(
     weights: set[str],
 ) -> list[int]:
     """Bytes each kernel may prefetch (`plan`'s arguments)."""
-    own = _own_weight_bytes(funcs, inputs, weights)
+    return _budgets(funcs, flops, _own_weight_bytes(funcs, inputs, weights))
+
+
+def _budgets(funcs: Sequence[PrimFunc], flops: Sequence[float], own: Sequence[int]) -> list[int]:
     return [_budget(*args) for args in zip(funcs, flops, own, strict=True)]
 
 

@@ -6,11 +6,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from compiler_core.loop.ir import (
     INDEX,
+    Allocate,
     Binary,
+    Block,
     Buffer,
     Const,
     Expr,
     For,
+    IfThenElse,
     Load,
     Stmt,
     Var,
@@ -131,6 +134,25 @@ def find_loop(s: Stmt, name: str) -> For | None:
     for stmt in walk_stmts(s):
         if isinstance(stmt, For) and stmt.var.name == name:
             return stmt
+    return None
+
+
+def loops_above(root: Stmt, target: Stmt) -> list[For] | None:
+    """The loops from `root` down to `target` (outermost first, `target` excluded); None when
+    `target` is not inside `root`."""
+    if root is target:
+        return []
+    children: tuple[Stmt, ...] = ()
+    if isinstance(root, Block):
+        children = root.stmts
+    elif isinstance(root, (For, Allocate)):
+        children = (root.body,)
+    elif isinstance(root, IfThenElse):
+        children = tuple(c for c in (root.then, root.otherwise) if c is not None)
+    for child in children:
+        path = loops_above(child, target)
+        if path is not None:
+            return ([root] if isinstance(root, For) else []) + path
     return None
 
 

@@ -14,7 +14,7 @@ import contextvars
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from compiler_core.loop.transform import (
     find_loop,
     flat_index,
     loads_of,
+    loops_above,
     map_expr,
     map_stmt,
     replace_stmt,
@@ -371,23 +372,6 @@ def _stores_depend_on(loop: For, lane_folds: bool = False) -> bool:
     return bool(stores)
 
 
-def _loops_above(root: Stmt, target: Stmt) -> list[For] | None:
-    if root is target:
-        return []
-    children: Iterable[Stmt] = ()
-    if isinstance(root, Block):
-        children = root.stmts
-    elif isinstance(root, (For, Allocate)):
-        children = (root.body,)
-    elif isinstance(root, IfThenElse):
-        children = tuple(c for c in (root.then, root.otherwise) if c is not None)
-    for child in children:
-        path = _loops_above(child, target)
-        if path is not None:
-            return ([root] if isinstance(root, For) else []) + path
-    return None
-
-
 # --- primitives --------------------------------------------------------------------------------
 
 
@@ -573,7 +557,7 @@ def unroll(func: PrimFunc, r: Unroll) -> PrimFunc:
 
 def parallel(func: PrimFunc, r: Parallel) -> PrimFunc:
     loop = _loop(func, r.loop, r)
-    path = _loops_above(func.body, loop) or []
+    path = loops_above(func.body, loop) or []
     if any(outer.kind == ForKind.PARALLEL for outer in path) or any(
         isinstance(s, For) and s.kind == ForKind.PARALLEL for s in walk_stmts(loop.body)
     ):
@@ -793,7 +777,7 @@ def _may_start_below_zero(start: Expr, ranges: dict[str, int]) -> bool:
 
 
 def _enclosing_ranges(func: PrimFunc, loop: For) -> dict[str, int]:
-    path = _loops_above(func.body, loop) or []
+    path = loops_above(func.body, loop) or []
     return {outer.var.name: outer.extent for outer in path}
 
 
@@ -1018,7 +1002,7 @@ def bind(func: PrimFunc, r: Bind) -> PrimFunc:
         raise ScheduleError(f"{r}: unknown binding {r.thread!r} (one of {', '.join(BINDINGS)})")
     if loop.kind not in (ForKind.SERIAL, ForKind.THREAD_BINDING):
         raise ScheduleError(f"{r}: {r.loop!r} is already {loop.kind.value}")
-    path = _loops_above(func.body, loop) or []
+    path = loops_above(func.body, loop) or []
     inner = [s for s in walk_stmts(loop.body) if isinstance(s, For)]
     if any(x.binding == r.thread for x in path + inner):
         raise ScheduleError(f"{r}: {r.thread} is already bound around or inside {r.loop!r}")
@@ -1039,7 +1023,7 @@ def _block_threads(path: list[For]) -> list[For]:
 
 def cache_read(func: PrimFunc, r: CacheRead) -> PrimFunc:
     loop = _loop(func, r.loop, r)
-    path = _loops_above(func.body, loop) or []
+    path = loops_above(func.body, loop) or []
     threads = _block_threads(path)
     if not any(x.binding in BLOCK_TAGS for x in path):
         raise ScheduleError(f"{r}: {r.loop!r} is not inside a block binding")
@@ -1251,7 +1235,7 @@ def prefetch_next(func: PrimFunc, r: PrefetchNext) -> PrimFunc:
     if buffer is None:
         raise ScheduleError(f"{r}: {r.buffer!r} is not a parameter of {func.name}")
     loop, at = _loop(func, r.loop, r), _loop(func, r.at, r)
-    path = _loops_above(loop.body, at)
+    path = loops_above(loop.body, at)
     if path is None:
         raise ScheduleError(f"{r}: {r.at!r} is not inside {r.loop!r}")
     if at.kind not in (ForKind.SERIAL, ForKind.UNROLLED):
