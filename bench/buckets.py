@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 
 import compiler_core
-from bench.ops import max_error
-from bench.run import MODELS_DIR, interleaved, ort_session
+from bench.engines import max_error, ort_session
+from bench.run import MODELS_DIR, interleaved
 from compiler_core.batching import with_symbolic_batch
 from compiler_core.runtime import load
 

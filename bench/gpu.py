@@ -23,7 +23,8 @@ import onnx
 import onnxruntime as ort
 
 import compiler_core
-from bench.run import MODEL_CASES, MODELS_DIR, interleaved, model_file, stats
+from bench.engines import stats
+from bench.run import MODEL_CASES, MODELS_DIR, interleaved, model_file
 from compiler_core.runtime import load
 from compiler_core.runtime.cuda import NoCudaDeviceError
 

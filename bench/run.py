@@ -1,5 +1,5 @@
-"""Side-by-side benchmarks: Kiln's compiled modules against ONNX Runtime and numpy, measured in
-the same run on the same machine, with the machine's FMA peak as the yardstick.
+"""Side-by-side benchmarks: Kiln's compiled modules against ONNX Runtime, OpenVINO and numpy,
+measured in the same run on the same machine, with the machine's FMA peak as the yardstick.
 
     .venv/bin/python -m bench.run [--models resnet18 mlp] [--threads 2] [--tuned]
 
@@ -8,10 +8,12 @@ by `kiln tune ... --export-best`: the best record of each workload and machine) 
 that build with ONNX Runtime in the same run; a GEMM case with a log
 (`bench/tuning/gemm_MxKxN.jsonl`: `kiln tune` over `gemm_model`) is timed tuned too.
 
-Latency is measured in alternating blocks (ten runs of one engine, then ten of the other, a
-0.3 s pause before each block and its first run dropped): ORT's worker threads keep spinning
-for about 100 ms after a call and would slow whatever runs right after them. Medians and p90
-over all kept runs; ratios are ours/ORT.
+The yardsticks are ONNX Runtime and, where the `bench` extra installed it, OpenVINO (float32,
+the same threads; `bench/engines.py`): each leads on different models, so the table gives
+kiln/ORT, kiln/OV and kiln/best, against the faster of the two. Latency is measured in
+alternating blocks (ten runs of one engine, then ten of the next, a 0.3 s pause before each
+block and its first run dropped): ORT's worker threads keep spinning for about 100 ms after a
+call and would slow whatever runs right after them. Medians and p90 over all kept runs.
 """
 
 from __future__ import annotations
@@ -28,10 +30,20 @@ from pathlib import Path
 import llvmlite.ir as ir
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import compiler_core
+from bench.engines import (
+    BLOCK,
+    BLOCKS,
+    compare_and_time,
+    describe,
+    ratio_cells,
+    ratio_columns,
+    reference_names,
+    timed_in_blocks,
+    yardsticks,
+)
 from compiler_core.codegen.native import emit_object, link_shared
 from compiler_core.runtime import load
 from compiler_core.target import host_target
@@ -45,9 +57,7 @@ MODEL_CASES = {
     "mlp_b64": {"x": [64, 784]},
 }
 GEMM_CASES = [(n, n, n) for n in (256, 512, 1024, 2048)] + [(1, 784, 1024), (64, 784, 1024)]
-BLOCK, BLOCKS = 10, 8
 TUNING_DIR = Path(__file__).resolve().parent / "tuning"
-SETTLE_SECONDS = 0.3
 
 
 def cpu_name() -> str:
@@ -132,38 +142,8 @@ def fma_peak_gflops(threads: int) -> float:
 
 
 def interleaved(ours, theirs, blocks=BLOCKS, block=BLOCK):
-    """Times (seconds) of each engine, measured in alternating blocks.
-
-    Each block starts after a pause of SETTLE_SECONDS: ORT's worker threads keep spinning for
-    about 100 ms after its last call (measured: our next five runs took twice as long), and
-    Kiln's pool workers spin too; the pause lets either engine's threads park before the other
-    runs. The first run of a block is still dropped.
-    """
-    samples = {"ours": [], "theirs": []}
-    for _ in range(blocks):
-        for name, fn in (("ours", ours), ("theirs", theirs)):
-            time.sleep(SETTLE_SECONDS)
-            for k in range(block):
-                started = time.perf_counter()
-                fn()
-                if k:  # the first run of a block pays for the switch
-                    samples[name].append(time.perf_counter() - started)
-    return {k: np.array(v) for k, v in samples.items()}
-
-
-def stats(seconds: np.ndarray) -> dict:
-    return {
-        "median_ms": float(np.median(seconds) * 1e3),
-        "p90_ms": float(np.percentile(seconds, 90) * 1e3),
-    }
-
-
-def ort_session(model, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    """Times (seconds) of two engines, "ours" and "theirs", in alternating blocks."""
+    return timed_in_blocks({"ours": ours, "theirs": theirs}, blocks, block)
 
 
 def model_file(name: str) -> str:
@@ -178,29 +158,14 @@ def bench_model(name: str, shapes, threads: int, tuning: Path | None = None) -> 
     module = load(archive, num_threads=threads)
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
-    if shapes:
-        model = onnx.load(str(path))
-        for value in model.graph.input:
-            if value.name in shapes:
-                for dim, size in zip(
-                    value.type.tensor_type.shape.dim, shapes[value.name], strict=True
-                ):
-                    dim.Clear()
-                    dim.dim_value = size
-        session = ort_session(model.SerializeToString(), threads)
-    else:
-        session = ort_session(str(path), threads)
-    times = interleaved(lambda: module.run(feeds), lambda: session.run(None, feeds))
-    ours, theirs = stats(times["ours"]), stats(times["theirs"])
+    references = yardsticks(str(path), threads, shapes)
     tuned = sum(1 for k in archive.manifest["kernels"].values() if isinstance(k, dict))
     return {
         "model": name,
         "tuning": str(tuning) if tuning else None,
         "tuned_kernels": tuned,
         "compile_seconds": round(compile_seconds, 2),
-        "kiln": ours,
-        "onnxruntime": theirs,
-        "ratio_median": ours["median_ms"] / theirs["median_ms"],
+        **compare_and_time(module.run, references, feeds),
     }
 
 
@@ -261,10 +226,9 @@ def main() -> None:
         "models": [],
         "gemm": [],
     }
-    print(
-        f"{'model':14s} {'compile s':>9s} {'kiln ms (p90)':>16s} {'ORT ms (p90)':>16s} "
-        f"{'kiln/ORT':>8s}"
-    )
+    print(describe())
+    references = reference_names()
+    print(f"{'model':14s} {'compile s':>9s} {'kiln ms (p90)':>16s}{ratio_columns(references)}")
     for name in args.models:
         logs = [None]
         if args.tuned:
@@ -276,11 +240,13 @@ def main() -> None:
             r = bench_model(name, MODEL_CASES[name], args.threads, log)
             results["models"].append(r)
             label = f"{name} tuned" if log else name
+            if "failed" in r:
+                print(f"{label:14s} FAILED: {r['failed']}")
+                continue
             print(
                 f"{label:14s} {r['compile_seconds']:9.1f} "
-                f"{r['kiln']['median_ms']:8.3f} ({r['kiln']['p90_ms']:6.3f}) "
-                f"{r['onnxruntime']['median_ms']:8.3f} ({r['onnxruntime']['p90_ms']:6.3f}) "
-                f"{r['ratio_median']:8.2f}"
+                f"{r['kiln']['median_ms']:8.3f} ({r['kiln']['p90_ms']:6.3f})"
+                f"{ratio_cells(r, references)}"
                 + (f"  ({r['tuned_kernels']} tuned kernels)" if log else "")
             )
     if args.gemm:

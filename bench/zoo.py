@@ -1,12 +1,14 @@
-"""The bench zoo: architectures the shared models lack, Kiln (untuned) against ONNX Runtime.
+"""The bench zoo: architectures the shared models lack, Kiln (untuned) against ONNX Runtime
+and OpenVINO.
 
     python bench/zoo_export.py --out build/zoo            # once, in a venv with torch
     .venv/bin/python -m bench.zoo --dir build/zoo [--models unet vit_b_16] [--threads 2]
 
 Each model (exported by `bench/zoo_export.py`, with a sidecar JSON of its input shapes) is
 compiled natively, checked against ORT (max error within 1e-4 of the output's scale) and timed
-against it in alternating blocks (`bench.run.interleaved`). The table prints medians, kiln/ORT
-per model and the worst ratio; a model that fails to compile or to match is reported as such.
+against it and OpenVINO (where installed) in alternating blocks
+(`bench.engines.compare_and_time`). The table prints medians, kiln/ORT, kiln/OV and kiln/best
+per model and the worst ratios; a model that fails to compile or to match is reported as such.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ from pathlib import Path
 import numpy as np
 
 import compiler_core
-from bench.ops import max_error, summarize
-from bench.run import cpu_name, interleaved, ort_session, stats
+from bench.engines import (
+    compare_and_time,
+    describe,
+    ratio_cells,
+    ratio_columns,
+    reference_names,
+    yardsticks,
+)
+from bench.ops import summarize
+from bench.run import cpu_name
 from compiler_core.runtime import load
 
 
@@ -42,19 +52,8 @@ def bench_zoo_model(path: Path, info: dict, threads: int, blocks: int) -> dict:
     module = load(archive, num_threads=threads)
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
-    session = ort_session(str(path), threads)
-    ours = module.run(feeds)
-    names = [o.name for o in session.get_outputs()]
-    theirs = dict(zip(names, session.run(None, feeds), strict=True))
-    error = max(max_error(ours[name], theirs[name]) for name in theirs)
-    result["max_error"] = error
-    if not error <= 1e-4:
-        result["failed"] = f"output differs from ORT: max error {error:.2e} of its scale"
-        return result
-    times = interleaved(lambda: module.run(feeds), lambda: session.run(None, feeds), blocks)
-    result["kiln"], result["onnxruntime"] = stats(times["ours"]), stats(times["theirs"])
-    result["ratio_median"] = result["kiln"]["median_ms"] / result["onnxruntime"]["median_ms"]
-    return result
+    references = yardsticks(str(path), threads, shapes)
+    return result | compare_and_time(module.run, references, feeds, blocks)
 
 
 def main() -> None:
@@ -73,10 +72,9 @@ def main() -> None:
     if missing:
         parser.error(f"not exported in {args.dir}: {missing}")
 
-    print(f"CPU: {cpu_name()}; {args.threads} threads; untuned")
-    print(
-        f"{'model':14s} {'compile s':>9s} {'kiln ms':>9s} {'ORT ms':>9s} {'kiln/ORT':>8s}  family"
-    )
+    print(f"CPU: {cpu_name()}; {args.threads} threads; untuned; {describe()}")
+    references = reference_names()
+    print(f"{'model':14s} {'compile s':>9s} {'kiln ms':>9s}{ratio_columns(references)}  family")
     results = []
     for name in names:
         try:
@@ -91,8 +89,8 @@ def main() -> None:
             print(f"{name:14s} FAILED: {r['failed'][:200]}")
             continue
         print(
-            f"{name:14s} {r['compile_seconds']:9.1f} {r['kiln']['median_ms']:9.2f} "
-            f"{r['onnxruntime']['median_ms']:9.2f} {r['ratio_median']:8.2f}  {r['family']}"
+            f"{name:14s} {r['compile_seconds']:9.1f} {r['kiln']['median_ms']:9.2f}"
+            f"{ratio_cells(r, references)}  {r['family']}"
         )
     summarize(results, "model", args.json)
 
