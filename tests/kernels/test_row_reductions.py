@@ -177,6 +177,9 @@ POOL_CASES = [
     ("AveragePool", [1, 3, 9, 70], dict(kernel_shape=[2, 2])),  # a row of 69: a split tile
     ("MaxPool", [1, 5, 15, 15], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
     ("MaxPool", [1, 3, 10, 10], dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
+    ("MaxPool", [1, 4, 40, 56], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("AveragePool", [1, 2, 9, 50], dict(kernel_shape=[3, 3], strides=[1, 3])),
+    ("MaxPool", [1, 2, 9, 50], dict(kernel_shape=[2, 5], strides=[2, 5])),  # gathered
 ]
 
 
@@ -234,6 +237,17 @@ SCHEDULED = {
     ),
     "avgpool_plain": lambda: one_node(
         "AveragePool", [1, 2, 9, 11], [1, 2, 9, 11], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
+    ),
+    "maxpool_plain_stride2": lambda: one_node(
+        "MaxPool",
+        [1, 2, 17, 45],
+        [1, 2, 9, 23],
+        kernel_shape=[3, 3],
+        strides=[2, 2],
+        pads=[1, 1, 1, 1],
+    ),
+    "avgpool_plain_stride3": lambda: one_node(
+        "AveragePool", [1, 2, 9, 50], [1, 2, 7, 16], kernel_shape=[3, 3], strides=[1, 3]
     ),
 }
 
