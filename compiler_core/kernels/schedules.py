@@ -427,7 +427,10 @@ def _default_tile(
     if triple:
         return (*triple, False)
     preferred = _nchwc_preferred(depthwise, block, target)
-    options = [2, 1] if not depthwise and out_blocks % 2 == 0 and preferred >= 2 else [1]
+    # Blocks pair up only within a group: a grouped conv's blocks of different groups read
+    # different inputs (as a depthwise conv's do), so a pair would share no broadcast.
+    pair_up = (group_blocks or out_blocks) % 2 == 0
+    options = [2, 1] if not depthwise and pair_up and preferred >= 2 else [1]
     candidates = []
     for blocks in options:
         bound = preferred // blocks
