@@ -10,6 +10,7 @@ rest. Everything is a list of records: the tuner replaces these defaults with me
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -1605,11 +1606,14 @@ def _walks_rows(rows: For, flat: Expr, lanes: int) -> bool:
 
 def _ragged_tiles(func: PrimFunc, target: Target, records: list[Record]) -> list[Record] | None:
     """For a column copy whose vector loop a `SplitOverlap` of one vector made (its whole
-    vectors and a last one ending at the row's end), directly inside the loop that walks the
-    rows: the rows split by the vector width before the overlapping split, so that both the
-    whole vectors and the last one sit inside an unrolled loop of lanes rows: square tiles
-    (ViT-B/16's key transposes, 197 tokens a row: 90 -> 22 us alone, 120 -> 75 us in the
-    model, Xeon, 2 threads). None where that does not apply."""
+    vectors and a last one ending at the row's end), inside a perfect nest under the loop
+    that walks the rows: the rows split by the vector width before the overlapping split and
+    their inner part moved just outside it, so that both the whole vectors and the last one
+    sit inside an unrolled loop of lanes rows: square tiles (ViT-B/16's key transposes, 197
+    tokens a row: 90 -> 22 us alone, 120 -> 75 us in the model, Xeon, 2 threads). The rows
+    loop may be the parallel one, with other loops between (ConvNeXt's NHWC -> NCHW permutes,
+    channels outermost): the threads then take the rows' tiles. None where that does not
+    apply."""
     lanes = target.vector_lanes
     overlaps = [r for r in records if isinstance(r, SplitOverlap) and r.factor == lanes]
     if len(overlaps) != 1 or overlaps[0].tail not in (0, lanes):
@@ -1620,20 +1624,25 @@ def _ragged_tiles(func: PrimFunc, target: Target, records: list[Record]) -> list
         return None
     if whole.body is not vector or vector.extent != lanes:
         return None
-    rows = (loops_above(func.body, whole) or [None])[-1]
-    if rows is None or not any(_walks_rows(rows, f, lanes) for f in _column_loads(vector, lanes)):
+    above = loops_above(func.body, whole) or []
+    # The loop right above holds the whole vectors' loop and the last vector's, nothing else.
+    pair = above[-1].body.stmts if above and isinstance(above[-1].body, Block) else ()
+    if len(pair) != 2 or pair[0] is not whole or pair[1] is not find_loop(above[-1].body, tail):
         return None
-    # The rows loop holds the whole vectors' loop and the last vector's, nothing else.
-    pair = rows.body.stmts if isinstance(rows.body, Block) else ()
-    if len(pair) != 2 or pair[0] is not whole or pair[1] is not find_loop(rows.body, tail):
+    loads = _column_loads(vector, lanes)
+    walking = [k for k, loop in enumerate(above) if any(_walks(loop, f, lanes) for f in loads)]
+    if not walking:
         return None
+    rows, between = above[walking[-1]], above[walking[-1] + 1 :]
+    if any(outer.body is not inner for outer, inner in itertools.pairwise([rows, *between])):
+        return None  # not a perfect nest down to the copy: the reorder could not move them
     split = Split(rows.var.name, lanes)
     inner, tail_inner = split.inner, overlap.in_tail(split.inner)
     vectorized = {Vectorize(overlap.inner), Vectorize(tail)}
     at = records.index(overlap)
     tiled = [
         split,
-        Reorder((overlap.loop, inner)),
+        Reorder((*(loop.var.name for loop in between), overlap.loop, inner)),
         overlap,
         Reorder((inner, overlap.inner)),
         Reorder((tail_inner, tail)),
@@ -1642,10 +1651,17 @@ def _ragged_tiles(func: PrimFunc, target: Target, records: list[Record]) -> list
         Unroll(inner),
         Unroll(tail_inner),
     ]
-    rest = [r for r in records[at + 1 :] if r not in vectorized]
+    threads = {Parallel(rows.var.name): Parallel(split.outer)}
+    rest = [threads.get(r, r) for r in records[at + 1 :] if r not in vectorized]
     if any(rows.var.name in _names_in(r) for r in rest):
         return None  # a later record addresses the rows loop, which the split replaces
     return [*records[:at], *tiled, *rest]
+
+
+def _walks(rows: For, flat: Expr, lanes: int) -> bool:
+    """`_walks_rows`, for a serial or a parallel loop (the split keeps the threads outside)."""
+    serial = dataclasses.replace(rows, kind=ForKind.SERIAL)
+    return rows.kind in (ForKind.SERIAL, ForKind.PARALLEL) and _walks_rows(serial, flat, lanes)
 
 
 def _names_in(record: Record) -> set[str]:

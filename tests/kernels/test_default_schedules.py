@@ -574,3 +574,35 @@ def test_a_ragged_transposed_copy_takes_square_tiles_in_its_last_vector_too():
     x = RNG.standard_normal((197, 2, 48)).astype(np.float32)
     y = load(compiler_core.compile(model)).run({"x": x})["y"]
     np.testing.assert_array_equal(y, x.transpose(1, 2, 0) * np.float32(0.125))
+
+
+def channels_first_permute_model(height=3, width=20, channels=32):
+    """NHWC -> NCHW, as ConvNeXt's LayerNorm2d writes at each stage's start."""
+    return make_model(
+        [helper.make_node("Transpose", ["x"], ["y"], name="t", perm=[0, 3, 1, 2])],
+        [("x", FLOAT, [1, height, width, channels])],
+        [("y", FLOAT, [1, channels, height, width])],
+        {},
+    )
+
+
+def test_a_ragged_permute_tiles_its_parallel_channels_across_the_rows_between():
+    """NHWC -> NCHW with rows of 20 pixels: the channels loop (parallel, outermost) walks the
+    input's rows, with the image rows between it and the pixels; the tiles split the
+    channels, move their inner part down to the pixels' vectors and hand the threads the
+    outer part: no gathers, and the result is numpy's."""
+    from compiler_core.loop.ir import For, ForKind
+    from compiler_core.loop.transform import walk_stmts
+
+    target = host_target()
+    model = channels_first_permute_model()
+    graph = optimize(import_model(model))
+    (group,) = graph.groups
+    kernel = build_group(graph, group, 0, target)
+    parallel = [s for s in walk_stmts(kernel.func.body) if isinstance(s, For)]
+    parallel = [s for s in parallel if s.kind == ForKind.PARALLEL]
+    assert [loop.extent for loop in parallel] == [32 // target.vector_lanes]
+    assert "gather" not in str(build_module([kernel.func], target))
+    x = RNG.standard_normal((1, 3, 20, 32)).astype(np.float32)
+    y = load(compiler_core.compile(model)).run({"x": x})["y"]
+    np.testing.assert_array_equal(y, x.transpose(0, 3, 1, 2))
