@@ -108,3 +108,38 @@ def test_blocks_alternate_and_drop_each_blocks_first_run():
     )
     assert calls == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
     assert {name: len(seconds) for name, seconds in times.items()} == {"a": 4, "b": 4}
+
+
+def test_a_model_openvino_cannot_read_is_timed_against_onnx_runtime_alone(capsys):
+    """TfIdfVectorizer has no OpenVINO front-end conversion: the row keeps ORT's time and
+    ratios and shows dashes for OpenVINO's."""
+    node = helper.make_node(
+        "TfIdfVectorizer",
+        ["x"],
+        ["y"],
+        mode="TF",
+        min_gram_length=1,
+        max_gram_length=1,
+        max_skip_count=0,
+        ngram_counts=[0],
+        ngram_indexes=[0, 1],
+        pool_int64s=[2, 3],
+    )
+    graph = helper.make_graph(
+        [node],
+        "tfidf",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
+    references = yardsticks(model.SerializeToString(), threads=1)
+    assert list(references) == ["onnxruntime"]
+    assert "OpenVINO skipped" in capsys.readouterr().err
+
+    def counts(feeds):
+        return {"y": np.array([1.0, 2.0], np.float32)}
+
+    result = compare_and_time(counts, references, {"x": np.array([2, 3, 3, 5])}, blocks=1)
+    assert "failed" not in result and "openvino" not in result
+    cells = ratio_cells(result, ["onnxruntime", "openvino"]).split()
+    assert cells[1] == "-" and cells[3] == "-" and cells[4] == cells[2]
