@@ -30,9 +30,9 @@ from compiler_core.kernels.strassen import (
     output_sums,
 )
 from compiler_core.kernels.winograd import (
-    conv_algorithms,
     default_algorithm,
     input_padding,
+    spatial_algorithms,
     tile_grid,
     winograd_conv,
     winograd_size,
@@ -277,11 +277,10 @@ def _conv_nchwc(ctx: KernelContext, node: Node):
     group_blocks = _group_blocks(m, cg, group, block, data_block, depthwise)
     pads, strides, dilations = spatial_params(node, nsp)
     algorithms = ("direct",)
-    if data_block and nsp == 2:
-        algorithms = conv_algorithms(kernel, strides, dilations, group, real_cg, real_m)
-    chosen = ctx.choice(
-        "conv_algorithm", default_algorithm(algorithms, *out.shape[2:4], ctx.target)
-    )
+    if data_block:
+        algorithms = spatial_algorithms(kernel, strides, dilations, pads, group, real_cg, real_m)
+    out_h, out_w = out.shape[-3:-1]  # NC[D]HW[b]c
+    chosen = ctx.choice("conv_algorithm", default_algorithm(algorithms, out_h, out_w, ctx.target))
     if chosen not in algorithms:
         raise KernelError(f"node {node.name!r}: no {chosen!r} conv (it can run {algorithms})")
     if winograd_size(chosen):
@@ -389,10 +388,11 @@ def _blocked_bias(ctx: KernelContext, node: Node, channels: int, block: int) -> 
 def _winograd(
     ctx: KernelContext, node: Node, x: Tensor, weights, tile: int, pads, data_block, block, notes
 ) -> list[Tensor]:
-    """A blocked 3x3 conv as Winograd F(tile x tile, 3 x 3) (see kernels/winograd.py), `notes`
-    on its GEMM stage. The GEMM's row of tiles is padded to a good register tile as a direct
-    conv's row is."""
+    """A blocked 3x3 conv, or (1, 3, 3) conv of frames, as Winograd F(tile x tile, 3 x 3) (see
+    kernels/winograd.py), `notes` on its GEMM stage. The GEMM's row of tiles is padded to a
+    good register tile as a direct conv's row is."""
     out = ctx.type(node.outputs[0])
+    frames = len(out.shape) == 6
     out_blocks = weights.shape[0] // block
     positions = (tile + 2) ** 2
 
@@ -400,13 +400,39 @@ def _winograd(
         gemm_blocks = positions * out_blocks
         return nchwc_row_width(tiles, block, False, gemm_blocks, ctx.target, out_blocks, False)
 
-    grid = tile_grid(out.shape[2], out.shape[3], tile, row_width)
-    padding = input_padding(pads, x.shape[2], x.shape[3], grid)
-    padded = _padded(ctx, node, x, padding, 0.0, nsp=2)
+    grid = tile_grid(*out.shape[-3:-1], tile, row_width)
+    if frames:  # pads (front, top, left, back, bottom, right), no padding along depth
+        padding = input_padding((pads[1], pads[2], pads[4], pads[5]), *x.shape[-3:-1], grid)
+        padded = _frames_padded(ctx, node, x, padding)
+        weights = weights.reshape(*weights.shape[:2], 3, 3)
+    else:
+        padding = input_padding(pads, *x.shape[-3:-1], grid)
+        padded = _padded(ctx, node, x, padding, 0.0, nsp=2)
     bias = _blocked_bias(ctx, node, weights.shape[0], block)
     return winograd_conv(
         ctx, node, padded, weights, grid, data_block, block, bias, out.shape, out.dtype, notes
     )
+
+
+def _frames_padded(ctx: KernelContext, node: Node, x: Tensor, pads) -> Tensor:
+    """NCDHW[b]c data as its N * D frames of NCHW[b]c, each padded by `pads` (top, left,
+    bottom, right): the input of a conv of frames' Winograd stages, frame d of image n at
+    n * D + d."""
+    images, blocks, frames, height, width, lanes = x.shape
+    top, left, bottom, right = pads
+    shape = (images * frames, blocks, height + top + bottom, width + left + right, lanes)
+
+    def body(f, c, y, w, i):
+        sy, sx = y - Const(top, INDEX), w - Const(left, INDEX)
+        inside = logical_and(
+            logical_and(sy >= Const(0, INDEX), sy < Const(height, INDEX)),
+            logical_and(sx >= Const(0, INDEX), sx < Const(width, INDEX)),
+        )
+        n, d = Binary("floordiv", f, Const(frames, INDEX)), Binary("mod", f, Const(frames, INDEX))
+        source = (n, c, d, clamp(sy, height), clamp(sx, width), i)
+        return Select(inside, x[source], Const(0.0, x.dtype))
+
+    return compute(shape, body, ctx.stage_name(node, prefix="pad"))
 
 
 def _group_blocks(m: int, cg: int, group: int, block: int, data_block: int, depthwise: bool):

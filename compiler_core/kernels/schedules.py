@@ -1068,19 +1068,30 @@ def winograd_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
 def winograd_output_schedule(
     stage: StageInfo, epilogue: StageInfo | None, target: Target
 ) -> list[Record]:
-    """Y[n, mb, h, w, mo] by m x m tiles: per tile its column transforms (the
-    `winograd_columns` stage, computed in the tile's loop), then the tile's pixels unrolled,
-    each a short sum of those; the channels one vector, the epilogue applied before the
-    store; parallel over output blocks x tile rows."""
-    m = stage.note("winograd_output")
-    n, mb, h, w, mo = (stage.loop(k) for k in range(5))
+    """Y[n, mb, h, w, mo] (or Y[n, mb, d, h, w, mo], a conv of frames) by m x m tiles: per
+    tile its column transforms (the `winograd_columns` stage, computed in the tile's loop),
+    then the tile's pixels unrolled, each a short sum of those; the channels one vector, the
+    epilogue applied before the store; parallel over output blocks (x frames) x tile rows."""
+    m, rank = stage.note("winograd_output"), len(stage.shape)
+    n, mb = stage.loop(0), stage.loop(1)
+    frames = [stage.loop(2)] if rank == 6 else []  # a conv of frames: NCDHW[b]c
+    h, w, mo = (stage.loop(k) for k in range(rank - 3, rank))
     tile_rows, tile_columns = Split(h, m), Split(w, m)
     columns = ComputeAt(stage.note("winograd_columns"), tile_columns.outer)
     records: list[Record] = [
         tile_rows,
         tile_columns,
         Reorder(
-            (n, mb, tile_rows.outer, tile_columns.outer, tile_rows.inner, tile_columns.inner, mo)
+            (
+                n,
+                mb,
+                *frames,
+                tile_rows.outer,
+                tile_columns.outer,
+                tile_rows.inner,
+                tile_columns.inner,
+                mo,
+            )
         ),
         columns,
         *_unrolled_vectors(columns, 6),
@@ -1090,8 +1101,10 @@ def winograd_output_schedule(
     ]
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
-    rows = Fuse(mb, tile_rows.outer)
-    return [*records, rows, Parallel(rows.fused)]
+    fused = []
+    for loop in (*frames, tile_rows.outer):
+        fused.append(Fuse(fused[-1].fused if fused else mb, loop))
+    return [*records, *fused, Parallel(fused[-1].fused)]
 
 
 def strassen_input_schedule(stage: StageInfo, target: Target) -> list[Record]:

@@ -13,6 +13,10 @@ m = 4. With alpha = m + 2 and the transform matrices B, G and A of the tile size
 Each transform is two stages, one per side of the tile; the first (d B, M A) is computed at
 the tile's loop of the second, so its alpha^2 vectors stay in L1.
 
+A 3-D conv of frames ((1, 3, 3), stride 1, no padding along depth: R(2+1)D's spatial convs)
+runs the same stages with its frames as the batch; only its padded input and its output
+pixels index depth.
+
 The GEMM stage is shaped as a grouped 1x1 blocked conv over a row of tiles (one group of
 output blocks per position p, each reading the input blocks of its own p), so it runs on the
 blocked conv's register-tiled micro-kernel and template. The transforms are written as sums
@@ -145,8 +149,11 @@ def winograd_conv(
     their positions (V), the GEMMs, the output tiles' column transforms and their pixels (with
     the bias). `padded_input` is NCHW[ib]c data padded so that every tile's window lies inside
     it ((padded_rows * m + 2) x (cols * m + 2)); `weights` are [M, C, 3, 3] with M and C whole
-    blocks; the result is NCHW[b]c. `notes` go on the GEMM stage, the group's anchor (the
-    algorithms the conv can run, and the one it runs)."""
+    blocks; the result is NCHW[b]c. For a conv of frames (`frame_conv`) the result is
+    NCDHW[b]c (`out_shape` of rank 6) and `padded_input`'s batch holds its frames, frame d of
+    image n at n * D + d: every stage before the last runs on them as on a batch of images.
+    `notes` go on the GEMM stage, the group's anchor (the algorithms the conv can run, and the
+    one it runs)."""
     t = TRANSFORMS[grid.m]
     alpha, m, cols = t.alpha, grid.m, grid.cols
     positions = alpha * alpha
@@ -225,7 +232,14 @@ def winograd_conv(
         dtype,
     )
 
-    def output_pixel(n, mo, h, w, mi):  # (A^T M A)[i, j]
+    frames = out_shape[2] if len(out_shape) == 6 else 0
+
+    def output_pixel(n, mo, *rest):  # (A^T M A)[i, j]
+        if frames:  # frame d of image n is the batch's n * D + d
+            d, h, w, mi = rest
+            n = n * Const(frames, INDEX) + d
+        else:
+            h, w, mi = rest
         i, j = Binary("mod", h, Const(m, INDEX)), Binary("mod", w, Const(m, INDEX))
         tile = Binary("floordiv", h, Const(m, INDEX)) * Const(cols, INDEX) + Binary(
             "floordiv", w, Const(m, INDEX)
@@ -268,6 +282,25 @@ def conv_algorithms(
     if not (dense_3x3 and unit) or min(in_channels, out_channels) < WINOGRAD_MIN_CHANNELS:
         return ("direct",)
     return ("direct", *(f"winograd{m}" for m in sorted(TRANSFORMS)))
+
+
+def frame_conv(kernel, strides, dilations, pads) -> bool:
+    """Whether a 3-D conv is a 2-D conv of each frame: one tap, stride 1, no dilation and no
+    padding along depth (R(2+1)D's (1, 3, 3) spatial convs)."""
+    depth_only = (kernel[0], strides[0], dilations[0], pads[0], pads[len(kernel)])
+    return len(kernel) == 3 and depth_only == (1, 1, 1, 0, 0)
+
+
+def spatial_algorithms(
+    kernel, strides, dilations, pads, group: int, in_channels: int, out_channels: int
+) -> tuple[str, ...]:
+    """`conv_algorithms` of a 2-D conv, or of a 3-D conv of frames (`frame_conv`): its frames'
+    2-D conv, whose Winograd stages take the frames as a batch (`winograd_conv`)."""
+    if len(kernel) == 3 and frame_conv(kernel, strides, dilations, pads):
+        kernel, strides, dilations = kernel[1:], strides[1:], dilations[1:]
+    elif len(kernel) != 2:
+        return ("direct",)
+    return conv_algorithms(kernel, strides, dilations, group, in_channels, out_channels)
 
 
 def default_algorithm(algorithms: tuple[str, ...], out_h: int, out_w: int, target: Target) -> str:

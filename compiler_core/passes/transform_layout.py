@@ -43,7 +43,7 @@ from compiler_core.graph.ops.layout import (
 from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.nn import im2col_conv
-from compiler_core.kernels.winograd import conv_algorithms
+from compiler_core.kernels.winograd import spatial_algorithms
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
@@ -277,10 +277,9 @@ def _winograd(graph: Graph, node: Node) -> bool:
     """Whether the conv's kernel may run as Winograd (`kernels/winograd.py`), untuned or
     tuned."""
     w = graph.types[node.inputs[1]].shape
-    if len(w) != 4:
-        return False
-    _, strides, dilations = spatial_params(node, 2)
-    algorithms = conv_algorithms(w[2:], strides, dilations, node.attr("group", 1), w[1], w[0])
+    pads, strides, dilations = spatial_params(node, len(w) - 2)
+    group = node.attr("group", 1)
+    algorithms = spatial_algorithms(w[2:], strides, dilations, pads, group, w[1], w[0])
     return len(algorithms) > 1
 
 

@@ -156,3 +156,66 @@ def test_a_residual_epilogue_runs_in_the_output_transform():
     records = default_schedule(stages, host_target())
     last = stages[-1].name
     assert last.startswith("relu") and ReverseComputeInline(last) in records, records
+
+
+def frames_chain(c, m, frames, size, batch=1, depth_pads=(0, 0)):
+    """R(2+1)D's block: Conv (1, 3, 3) (c -> m, a 2-D conv of each frame) -> Relu -> Conv
+    (3, 1, 1) (m -> c, across frames) -> Relu; `depth_pads` on the first conv."""
+    front, back = depth_pads
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["a"], name="spatial",
+                         pads=[front, 1, 1, back, 1, 1]),
+        helper.make_node("Relu", ["a"], ["r"], name="relu1"),
+        helper.make_node("Conv", ["r", "w2"], ["b"], name="temporal", pads=[1, 0, 0, 1, 0, 0]),
+        helper.make_node("Relu", ["b"], ["y"], name="relu2"),
+    ]  # fmt: skip
+    out_frames = frames + front + back
+    weights = {
+        "w1": rand(m, c, 1, 3, 3, scale=0.1),
+        "b1": rand(m),
+        "w2": rand(c, m, 3, 1, 1, scale=0.1),
+    }
+    return make_model(
+        nodes,
+        [("x", FLOAT, [batch, c, frames, size, size])],
+        [("y", FLOAT, [batch, c, out_frames, size, size])],
+        weights,
+    )
+
+
+@pytest.mark.parametrize(
+    ("size", "batch", "algorithm"),
+    [(24, 1, "winograd4"), (8, 2, "winograd2"), (13, 1, "winograd2")],
+)
+def test_a_conv_of_frames_runs_as_winograd_over_its_frames(size, batch, algorithm):
+    """A (1, 3, 3) conv of 3-D data is a 2-D conv of each frame: its Winograd stages take the
+    frames as a batch (frame d of image n at n * D + d) and write NCDHW[b]c; it matches ORT
+    (partial tiles on 13 x 13, two images of three frames on 8 x 8)."""
+    model = frames_chain(32, 48, 3, size, batch)
+    graph = optimize(import_model(model), target=host_target())
+    spatial = next(n for n in graph.nodes if n.name.startswith("spatial"))
+    assert spatial.attr("data_layout")[-1] == "c"
+    (index, group), *_ = [
+        (k, g) for k, g in enumerate(graph.groups) if any("spatial" in n for n in g.nodes)
+    ]
+    lowered = lower_group(graph, group, index, host_target())
+    (gemm,) = [s for s in lowered.stages if s.note("winograd")]
+    assert gemm.note("algorithm") == algorithm
+    assert gemm.shape[0] == batch * 3  # the frames are the GEMM's batch
+    feeds = {"x": rand(batch, 32, 3, size, size)}
+    module = load(compiler_core.compile(model))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(["y"], feeds)[0]
+    assert_close_to_scale(module.run(feeds)["y"], expected, label=f"{size} x {size}")
+
+
+def test_a_3d_conv_padded_or_strided_along_depth_stays_direct():
+    """Only a conv of frames (one tap, stride 1, no padding along depth) runs as Winograd."""
+    from compiler_core.kernels.winograd import spatial_algorithms
+
+    frames = spatial_algorithms((1, 3, 3), (1, 1, 1), (1, 1, 1), (0, 1, 1, 0, 1, 1), 1, 64, 64)
+    assert frames == ("direct", "winograd2", "winograd4")
+    padded = spatial_algorithms((1, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1, 1, 1, 1), 1, 64, 64)
+    strided = spatial_algorithms((1, 3, 3), (2, 1, 1), (1, 1, 1), (0, 1, 1, 0, 1, 1), 1, 64, 64)
+    cube = spatial_algorithms((3, 3, 3), (1, 1, 1), (1, 1, 1), (1,) * 6, 1, 64, 64)
+    assert padded == strided == cube == ("direct",)
