@@ -287,8 +287,9 @@ def conv_algorithms(
 def frame_conv(kernel, strides, dilations, pads) -> bool:
     """Whether a 3-D conv is a 2-D conv of each frame: one tap, stride 1, no dilation and no
     padding along depth (R(2+1)D's (1, 3, 3) spatial convs)."""
-    depth_only = (kernel[0], strides[0], dilations[0], pads[0], pads[len(kernel)])
-    return len(kernel) == 3 and depth_only == (1, 1, 1, 0, 0)
+    if len(kernel) != 3:
+        return False
+    return (kernel[0], strides[0], dilations[0], pads[0], pads[3]) == (1, 1, 1, 0, 0)
 
 
 def spatial_algorithms(
@@ -296,7 +297,7 @@ def spatial_algorithms(
 ) -> tuple[str, ...]:
     """`conv_algorithms` of a 2-D conv, or of a 3-D conv of frames (`frame_conv`): its frames'
     2-D conv, whose Winograd stages take the frames as a batch (`winograd_conv`)."""
-    if len(kernel) == 3 and frame_conv(kernel, strides, dilations, pads):
+    if frame_conv(kernel, strides, dilations, pads):
         kernel, strides, dilations = kernel[1:], strides[1:], dilations[1:]
     elif len(kernel) != 2:
         return ("direct",)
