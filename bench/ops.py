@@ -476,8 +476,9 @@ def summarize(results: list[dict], label: str, path: Path) -> None:
     if timed:
         worst = max(timed, key=lambda r: r["ratio_median"])
         print(f"worst kiln/ORT: {worst[label]} {worst['ratio_median']:.2f}")
-    if timed and len(timed[0]["ratio"]) > 2:  # two references and the faster of them
-        worst = max(timed, key=lambda r: r["ratio"]["best"])
+    both = [r for r in timed if len(r["ratio"]) > 2]  # two references and the faster one
+    if both:
+        worst = max(both, key=lambda r: r["ratio"]["best"])
         print(f"worst kiln/best: {worst[label]} {worst['ratio']['best']:.2f}")
     table = [r for r in timed if r[label] in ISSUE_TABLE]
     if table:  # the acceptance table of issue 15, on its own

@@ -175,6 +175,12 @@ MASKABLE = ("float16", "float32", "float64")
 STRIDED_LOAD_STRIDES = (2, 3, 4)
 
 
+def one_vector_load(stride: int, dtype: str) -> bool:
+    """Whether lanes `stride` elements apart load as one vector operation: a contiguous load,
+    or for a maskable type a masked load and a shuffle (`_strided_load`), not a gather."""
+    return stride == 1 or (stride in STRIDED_LOAD_STRIDES and dtype in MASKABLE)
+
+
 @dataclasses.dataclass
 class _Scope:
     values: dict[str, ir.Value]  # loop variables (i64 or <L x i64>)

@@ -15,6 +15,7 @@ import string
 
 import numpy as np
 
+from compiler_core.codegen.llvm import one_vector_load
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.conv_transpose import col2im_grid
 from compiler_core.graph.ops.layout import block_cost
@@ -941,15 +942,8 @@ def _note_plain_pool(ctx: KernelContext, pool: Tensor, padded: Tensor, x: Tensor
     padded_name = "" if padded is x else padded.name
     if len(x.shape) == len(strides) + 3:  # NC[D][H]W[b]c: the block is the vector
         ctx.note(pool.name, pool="blocked", padded=padded_name)
-    elif len(strides) == 2 and len(x.shape) == 4 and _one_load(strides[1], x.dtype):
+    elif len(strides) == 2 and len(x.shape) == 4 and one_vector_load(strides[1], x.dtype):
         ctx.note(pool.name, pool="plain", padded=padded_name)
-
-
-def _one_load(stride: int, dtype: str) -> bool:
-    """Whether a vector of lanes `stride` elements apart is one load in the codegen: a
-    contiguous one, or for floats a masked load and a shuffle up to stride 4
-    (`codegen.llvm.STRIDED_LOAD_STRIDES`, `MASKABLE`)."""
-    return stride == 1 or (stride <= 4 and np.dtype(dtype).kind == "f")
 
 
 def _argmax_indices(ctx, node, in_shape, peak, padded, kernel) -> Tensor:

@@ -1610,10 +1610,12 @@ def _column_loads(vector: For, lanes: int) -> list[Expr]:
     ]
 
 
-def _walks_rows(rows: For, flat: Expr, lanes: int) -> bool:
-    """Whether a serial loop walks the column load's rows contiguously, in whole tiles of
-    more than one."""
-    walks = lane_stride(flat, rows.var.name) == 1 and rows.kind == ForKind.SERIAL
+def _walks_rows(
+    rows: For, flat: Expr, lanes: int, kinds: tuple[ForKind, ...] = (ForKind.SERIAL,)
+) -> bool:
+    """Whether a loop of one of `kinds` (serial by default) walks the column load's rows
+    contiguously, in whole tiles of more than one."""
+    walks = lane_stride(flat, rows.var.name) == 1 and rows.kind in kinds
     return walks and rows.extent % lanes == 0 and rows.extent != lanes
 
 
@@ -1643,7 +1645,11 @@ def _ragged_tiles(func: PrimFunc, target: Target, records: list[Record]) -> list
     if len(pair) != 2 or pair[0] is not whole or pair[1] is not find_loop(above[-1].body, tail):
         return None
     loads = _column_loads(vector, lanes)
-    walking = [k for k, loop in enumerate(above) if any(_walks(loop, f, lanes) for f in loads)]
+    # The rows loop may be the parallel one: the split keeps the threads outside the tiles.
+    kinds = (ForKind.SERIAL, ForKind.PARALLEL)
+    walking = [
+        k for k, loop in enumerate(above) if any(_walks_rows(loop, f, lanes, kinds) for f in loads)
+    ]
     if not walking:
         return None
     rows, between = above[walking[-1]], above[walking[-1] + 1 :]
@@ -1669,12 +1675,6 @@ def _ragged_tiles(func: PrimFunc, target: Target, records: list[Record]) -> list
     if any(rows.var.name in _names_in(r) for r in rest):
         return None  # a later record addresses the rows loop, which the split replaces
     return [*records[:at], *tiled, *rest]
-
-
-def _walks(rows: For, flat: Expr, lanes: int) -> bool:
-    """`_walks_rows`, for a serial or a parallel loop (the split keeps the threads outside)."""
-    serial = dataclasses.replace(rows, kind=ForKind.SERIAL)
-    return rows.kind in (ForKind.SERIAL, ForKind.PARALLEL) and _walks_rows(serial, flat, lanes)
 
 
 def _names_in(record: Record) -> set[str]:
