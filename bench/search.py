@@ -57,13 +57,24 @@ from compiler_core.passes.pipeline import optimize
 from compiler_core.target import host_target
 from tests.conftest import shared_model
 
+
+def conv_piece(out_channels: int, size: int, in_channels: int, kernel: int) -> str:
+    """The workload text of an NCHW[x]c conv on this machine, whose channel block is a vector
+    (16 channels with AVX-512, 8 with AVX2)."""
+    block = host_target().vector_lanes
+    return (
+        f"Conv 1x{out_channels // block}x{size}x{size}x{block} "
+        f"r{in_channels // block}x{kernel}x{kernel}x{block}"
+    )
+
+
 # (slug, model, input shapes, a piece of the task's workload text): three conv2d and two
 # dense workloads of the shared models, of different shapes and space sizes.
 WORKLOADS = (
-    ("conv3x3_256_14", "resnet18", None, "Conv 1x16x14x14x16 r16x3x3x16"),
-    ("conv3x3_512_7", "resnet18", None, "Conv 1x32x7x7x16 r32x3x3x16"),
+    ("conv3x3_256_14", "resnet18", None, conv_piece(256, 14, 256, 3)),
+    ("conv3x3_512_7", "resnet18", None, conv_piece(512, 7, 512, 3)),
     # The 1x1 project conv of a 14x14 block (its expand conv is chained into the depthwise).
-    ("conv1x1_576_96_14", "mobilenet_v2", None, "Conv 1x6x14x14x16 r36x1x1x16"),
+    ("conv1x1_576_96_14", "mobilenet_v2", None, conv_piece(96, 14, 576, 1)),
     # linear1 with its bias and GELU (a 2-D GEMM since the Reshapes around a layer sink away).
     ("dense_128x256x1024", "encoder4", None, "MatMul 128x1024 r256"),
     ("bmm_4x128x128x64", "encoder4", None, "MatMul 1x4x128x128 r64"),

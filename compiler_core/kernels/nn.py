@@ -21,8 +21,13 @@ from compiler_core.graph.ops.conv_transpose import col2im_grid
 from compiler_core.graph.ops.layout import block_cost
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
-from compiler_core.kernels.injective import clamp, unflatten
-from compiler_core.kernels.schedules import GEMM_COLUMN_STEP, gemm_row_tile, nchwc_row_width
+from compiler_core.kernels.injective import clamp, flatten, unflatten
+from compiler_core.kernels.schedules import (
+    GEMM_COLUMN_STEP,
+    gemm_row_tile,
+    nchwc_row_width,
+    packed_row_tile,
+)
 from compiler_core.kernels.strassen import (
     STRASSEN,
     combined_weights,
@@ -610,12 +615,14 @@ def _dense_stage(
     pack: Pack | None,
     dtype: str | None = None,
     a_row_bytes: int = 0,
+    mr: int = 0,
 ) -> Tensor:
     """The GEMM stage, with the facts its template needs: the panel width, the row tile its
-    rows are padded for, the real output shape (what the epilogue crops) and the packing."""
+    rows are padded for (`mr`, when the caller chose it), the real output shape (what the
+    epilogue crops) and the packing."""
     dtype = dtype or ctx.type(node.outputs[0]).dtype
     product = compute(shape, body, ctx.stage_name(node), dtype)
-    mr = gemm_row_tile(out_shape[-2], ctx.target, _panel_vectors(width, ctx), a_row_bytes)
+    mr = mr or gemm_row_tile(out_shape[-2], ctx.target, _panel_vectors(width, ctx), a_row_bytes)
     ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))
     if pack is not None:
         ctx.note(product.name, pack=pack.stage, pack_default=pack.default)
@@ -635,6 +642,43 @@ def constant_product(
         return reduce_sum(a_at(_row(i, rows, shape[0]), kk) * _panel_read(panels, width, kk, j), kk)
 
     return _dense_stage(ctx, node, shape, body, (rows, columns), width, None, panels.dtype)
+
+
+def _packed_a_product(
+    ctx: KernelContext, node: Node, a_at, rows: int, depth: int, b_value: str, transpose: bool,
+    scale: float, algorithms: tuple[str, ...],
+) -> Tensor:  # fmt: skip
+    """A [rows, K] x constant [K, N] GEMM whose A is first packed into row-tile panels
+    [rows / mr, K, mr] (GotoBLAS's packed A): a register tile then reads its mr rows' values
+    of a reduction step from one line, one stream in all, where the direct GEMM streams mr
+    rows of A at once, a row's stride apart (rows a multiple of 4 KB apart share an L1 set,
+    which caps the direct tile's rows: `gemm_row_tile`). The packing stage is the dense
+    template's to place (`pack_a_at`): inside the row-tile loop, or before the GEMM. Its rows
+    past the real ones repeat the last; their products are cropped. Returns the [padded
+    rows, N] product, noted as the GEMM stage."""
+    b_at, width, _ = _dense_b(ctx, node, b_value, transpose, scale)
+    mr = packed_row_tile(rows, ctx.target, _panel_vectors(width, ctx))
+    tiles = -(-rows // mr)
+
+    def pack(t, k, r):
+        return a_at(_row(t * Const(mr, INDEX) + r, rows, tiles * mr), k)
+
+    dtype = ctx.type(node.outputs[0]).dtype
+    packed = compute((tiles, depth, mr), pack, ctx.stage_name(node, "packa"), dtype)
+    ctx.note(packed.name, materialize=True)
+    kk = reduce_axis(depth, "rk")
+    columns = ctx.type(b_value).shape[0 if transpose else 1]
+    shape = _tiled_shape(ctx, (tiles * mr, columns), width)
+
+    def body(i, j):
+        tile, row = Binary("floordiv", i, Const(mr, INDEX)), Binary("mod", i, Const(mr, INDEX))
+        return reduce_sum(packed[tile, kk, row] * b_at((), kk, j), kk)
+
+    product = _dense_stage(ctx, node, shape, body, (rows, columns), width, None, dtype, mr=mr)
+    ctx.note(product.name, pack_a=packed.name)
+    notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
+    ctx.note(product.name, **notes, algorithm=PACKED_A)
+    return product
 
 
 def _cropped(ctx: KernelContext, node: Node, product: Tensor, out_shape) -> Tensor:
@@ -666,6 +710,17 @@ def _matmul(ctx: KernelContext, node: Node):
         return _strassen(
             ctx, node, a_at, transpose=False, scale=1.0, bias_at=None, algorithms=algorithms
         )
+    if _gemm_algorithm(ctx, node, algorithms) == PACKED_A:
+        lead = a_type.shape[:-1]
+
+        def a_row(i, k):  # row i of the GEMM
+            return a[(*(unflatten(i, lead) if len(lead) > 1 else (i,)), k)]
+
+        product = _packed_a_product(
+            ctx, node, a_row, rows_shape[0], a_type.shape[-1], node.inputs[1], False, 1.0,
+            algorithms,
+        )  # fmt: skip
+        return [_unfolded(ctx, node, product, out.shape)]
     kk = reduce_axis(a_type.shape[-1], "rk")
     b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
     b_batch = b_type.shape[:-2]
@@ -692,6 +747,17 @@ def _matmul(ctx: KernelContext, node: Node):
             )
         ]
     return [_cropped(ctx, node, product, out_shape)]
+
+
+def _unfolded(ctx: KernelContext, node: Node, product: Tensor, out_shape) -> Tensor:
+    """The [padded rows, N] product of a GEMM whose rows are A's leading axes folded, at the
+    output's shape (the dense template folds it into the tile's store)."""
+    lead = out_shape[:-1]
+    return compute(
+        tuple(out_shape),
+        lambda *i: product[flatten(i[:-1], lead) if len(lead) > 1 else i[0], i[-1]],
+        ctx.stage_name(node, "crop"),
+    )
 
 
 def _matmul_vectors(ctx: KernelContext, node: Node):
@@ -762,12 +828,24 @@ def _qlinear_matmul(ctx: KernelContext, node: Node):
 
 
 def _gemm_algorithms(ctx: KernelContext, b_value: str, out_shape, depth: int, plain_a: bool):
-    """The algorithms a GEMM of `out_shape` ([rows, columns]) can run: Strassen's needs
-    constant 2-D weights and a plain [..., K] A (see kernels/strassen.py)."""
+    """The algorithms a GEMM of `out_shape` ([rows, columns]) can run: Strassen's and the
+    packed-A form need constant 2-D weights and a plain [..., K] A (see kernels/strassen.py
+    and `_packed_a_product`)."""
     if not (plain_a and ctx.is_constant(b_value) and ctx.type(b_value).rank == 2):
         return ("direct",)
     rows, columns = out_shape[-2], out_shape[-1]
-    return gemm_algorithms(rows, depth, columns, ctx.target.vector_lanes)
+    algorithms = gemm_algorithms(rows, depth, columns, ctx.target.vector_lanes)
+    vectors = _panel_vectors(panel_width(columns, ctx.target.vector_lanes), ctx)
+    if rows >= 2 * packed_row_tile(rows, ctx.target, vectors) and depth >= PACKED_A_MIN_DEPTH:
+        algorithms += (PACKED_A,)
+    return algorithms
+
+
+# The GEMM whose A is packed into row-tile panels first (`_packed_a_product`): an algorithm
+# the tuner may pick for a GEMM of at least two row tiles whose rows are long enough for a
+# tile's strided row streams to cost more than one pass over A.
+PACKED_A = "packed_a"
+PACKED_A_MIN_DEPTH = 64
 
 
 def _gemm_algorithm(ctx: KernelContext, node: Node, algorithms: tuple[str, ...]) -> str:
@@ -839,22 +917,15 @@ def _gemm(ctx: KernelContext, node: Node):
     if _gemm_algorithm(ctx, node, algorithms) == STRASSEN:
         bias_at = _gemm_bias(ctx, node, beta) if has_c else None
         return _strassen(ctx, node, lambda i, k: a[i, k], trans_b, alpha, bias_at, algorithms)
-    kk = reduce_axis(depth, "rk")
-    b_at, width, pack = _dense_b(ctx, node, b_value, transpose=bool(trans_b), scale=alpha)
-    if pack is None:  # alpha is folded into the constant panels
-        alpha = 1.0
     rows = out.shape[0]
-    a_type = ctx.type(a_value)
-    a_row_bytes = 0 if trans_a else a_type.shape[1] * np.dtype(a_type.dtype).itemsize
-    shape = _tiled_shape(ctx, out.shape, width, a_row_bytes, pack)
-
-    def body(i, j):
-        row = _row(i, rows, shape[0])
-        a_at = a[(kk, row) if trans_a else (row, kk)]
-        return reduce_sum(a_at * b_at((), kk, j), kk)
-
-    product = _dense_stage(ctx, node, shape, body, out.shape, width, pack, a_row_bytes=a_row_bytes)
-    _note_algorithms(ctx, product, algorithms)
+    if _gemm_algorithm(ctx, node, algorithms) == PACKED_A:
+        product = _packed_a_product(
+            ctx, node, lambda i, k: a[i, k], rows, depth, b_value, bool(trans_b), alpha,
+            algorithms,
+        )  # fmt: skip
+        alpha = 1.0  # folded into the constant panels
+    else:
+        product, alpha = _direct_gemm(ctx, node, a, depth, trans_a, alpha, algorithms)
     if not has_c and alpha == 1.0:
         return [_cropped(ctx, node, product, out.shape)]
     bias_at = _gemm_bias(ctx, node, beta) if has_c else None
@@ -868,6 +939,30 @@ def _gemm(ctx: KernelContext, node: Node):
         return value + bias_at(i, j) if bias_at is not None else value
 
     return [compute(out.shape, epilogue, ctx.stage_name(node))]
+
+
+def _direct_gemm(ctx: KernelContext, node: Node, a: Tensor, depth: int, trans_a, alpha, algorithms):
+    """A Gemm's product read from A where it lies, and the alpha left to apply (1 when it is
+    folded into constant panels)."""
+    out = ctx.type(node.outputs[0])
+    b_value, trans_b = node.inputs[1], node.attr("transB", 0)
+    kk = reduce_axis(depth, "rk")
+    b_at, width, pack = _dense_b(ctx, node, b_value, transpose=bool(trans_b), scale=alpha)
+    if pack is None:  # alpha is folded into the constant panels
+        alpha = 1.0
+    rows = out.shape[0]
+    a_type = ctx.type(node.inputs[0])
+    a_row_bytes = 0 if trans_a else a_type.shape[1] * np.dtype(a_type.dtype).itemsize
+    shape = _tiled_shape(ctx, out.shape, width, a_row_bytes, pack)
+
+    def body(i, j):
+        row = _row(i, rows, shape[0])
+        a_at = a[(kk, row) if trans_a else (row, kk)]
+        return reduce_sum(a_at * b_at((), kk, j), kk)
+
+    product = _dense_stage(ctx, node, shape, body, out.shape, width, pack, a_row_bytes=a_row_bytes)
+    _note_algorithms(ctx, product, algorithms)
+    return product, alpha
 
 
 def _pool(kind: str) -> Builder:

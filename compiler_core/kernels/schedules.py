@@ -648,6 +648,22 @@ def gemm_row_tile(rows: int, target: Target, vectors: int = 2, row_bytes: int = 
     return min(candidates, key=lambda m: (-(-rows // m) * m, -m))
 
 
+def packed_row_tile(rows: int, target: Target, vectors: int = 2) -> int:
+    """Rows per register tile of a GEMM whose A is packed into row-tile panels (the packed-A
+    algorithm: no row stride, so no L1 set limit): the most the registers hold where that
+    pads the rows by at most PACKED_ROW_PAD of them, else `gemm_row_tile`'s least padding.
+    A packed tile's rows share one stream, so more rows cost no more streams: with AVX2, 6
+    rows (12 accumulators) where the direct GEMM takes 4 to pad none (64x1024x1024 on Zen 3:
+    152 GFLOP/s packed with 6-row tiles, 136 with 4-row ones)."""
+    most = max(max_accumulators(target) // vectors, 1)
+    if rows <= most or -(-rows // most) * most - rows <= rows * PACKED_ROW_PAD:
+        return min(rows, most)
+    return gemm_row_tile(rows, target, vectors)
+
+
+PACKED_ROW_PAD = 1 / 16
+
+
 # L1 data cache: addresses a multiple of L1_SET_STRIDE apart share a set (32 KB and 8 ways on
 # Zen 3/4, 48 KB and 12 ways on Zen 5 and Intel's recent cores: 4 KB either way). A tile may
 # stream as many rows of A that share a set as the ways (Target.l1_ways) less two for B's panel.
@@ -684,6 +700,7 @@ def matmul_schedule(
     records: list[Record] = []
     if mm.note("pack") and not config["pack"]:
         records.append(ComputeInline(mm.note("pack")))
+    pack_a = mm.note("pack_a")
     _, folded = _gemm_rows(mm)
     if folded:
         # A shared (packed) weight, and the rows spread over one dimension only: every batch
@@ -722,6 +739,8 @@ def matmul_schedule(
         if config["order"] == "ji":
             tiles = tiles[::-1]
         records += _gemm_tile(mm, nest, row_tile, [name for name, _ in tiles], target)
+        if pack_a and config["pack_a_at"] == "tile":  # one nest, its row tiles outermost
+            records += _pack_a_at(pack_a, row_tile.outer)
         parallel.append(tiles)
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
@@ -747,6 +766,14 @@ class _GemmNest:
     rows: str
     reduction: str
     suffix: str
+
+
+def _pack_a_at(pack: str, loop: str) -> list[Record]:
+    """A's [T, K, mr] row-tile panels packed one tile at a time inside the GEMM's row-tile
+    loop, into a buffer of the thread's (the tile's K x mr values, read by every column tile
+    after it): a reduction step's mr values, one from each row, stored side by side."""
+    at = ComputeAt(pack, loop)
+    return [at, Unroll(at.moved(f"{pack}_i2"))]
 
 
 def _pack_at(pack: str, batch_rank: int, loop: str) -> list[Record]:
@@ -834,13 +861,22 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
     # Packing costs a pass over B; it pays where B's columns are padded (else the last tile
     # reads them through a clamp, lane by lane) or B is computed in the kernel (a transpose).
     packs = ((1, 0) if mm.note("pack_default") else (0, 1)) if mm.note("pack") else (0,)
-    return (
+    if mm.note("pack_a"):  # the packed panels' width is the row tile
+        mrs = ()
+    knobs = (
         Knob("mr", tuple(sorted(set(mrs) | {default_mr})), default_mr),
         Knob("nr", nrs, default_nr),
         Knob("order", ("ij", "ji"), default_order),
         Knob("parallel", ("outer", "fused"), default_parallel),
         Knob("pack", packs, packs[0]),
     )
+    if not mm.note("pack_a"):
+        return knobs
+    # Where A's panels are packed: a tile at a time in the row-tile loop (when the row tiles
+    # are the outer loop of the one nest: A read once, each tile's panel in L1 for all the
+    # column tiles), or all of A by a parallel pass before the GEMM.
+    at_tile = default_order == "ij" and not gemm_column_tail(cols, default_nr, target.vector_lanes)
+    return (*knobs, Knob("pack_a_at", ("tile", "root"), "tile" if at_tile else "root"))
 
 
 def _default_gemm_order(mm: StageInfo, mr: int, nr: int) -> str:
@@ -864,8 +900,14 @@ GEMM_L2_BYTES = 512 * 1024
 
 
 def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) -> bool:
-    """mr x nr accumulators plus a row of B must fit the vector registers."""
+    """mr x nr accumulators plus a row of B must fit the vector registers; A's panels are
+    packed in the row-tile loop only when the row tiles are the one nest's outer loop (not
+    fused with the column tiles)."""
     vectors = -(-int(config["nr"]) // target.vector_lanes)
+    if config.get("pack_a_at") == "tile":
+        tail = gemm_column_tail(mm.shape[-1], int(config["nr"]), target.vector_lanes)
+        if config["order"] != "ij" or config["parallel"] == "fused" or tail:
+            return False
     return int(config["mr"]) * vectors + vectors <= target.vector_registers
 
 

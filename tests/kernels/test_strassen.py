@@ -148,7 +148,7 @@ def strassen_log(model, path, measurer, measure=False):
 def test_strassen_gemms_match_onnxruntime(name, tmp_path, measurer):
     model = CASES[name]()
     tasks = strassen_log(model, tmp_path / "t.jsonl", measurer, measure=True)
-    assert len(tasks) == 1 and tasks[0].variants.keys() == {"direct", STRASSEN}, name
+    assert len(tasks) == 1 and {"direct", STRASSEN} <= tasks[0].variants.keys(), name
     archive = compiler_core.compile(model, tuning=str(tmp_path / "t.jsonl"))
     assert archive.manifest["verification"]["passed"], archive.manifest["verification"]
     (note,) = [k for k in archive.manifest["kernels"].values() if isinstance(k, dict)]
