@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -375,6 +376,15 @@ def _applied(log, state, measurer) -> str:
     return f"; in the model {best.config} ran faster: builds apply it"
 
 
+def _alternative_label(task, config: dict) -> str:
+    """An in-model alternative as `kiln tune` names it: its algorithm, at its template's
+    default knobs or at the knobs that differ from them."""
+    variant, knobs = task.variant(config)
+    changed = {k: v for k, v in knobs.items() if variant.tunable.default_config().get(k) != v}
+    where = " ".join(f"{k}={v}" for k, v in changed.items()) or "at its default knobs"
+    return f"{config['algorithm']} {where}"
+
+
 def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
     """Time the tuned tasks inside the model, tuned and untuned (`check_in_model`); say
     which keep their default."""
@@ -387,15 +397,15 @@ def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
     kept = [t for t in timings if t.kept_default]
     print(f"checked in the model: {len(timings)} tuned tasks, {len(kept)} keep their default")
     for timing in timings:
-        if not timing.kept_default and timing.alternative_ms is None:
+        if not timing.kept_default and not timing.alternatives:
             continue
-        alternative = ""
-        if timing.alternative_ms is not None:
-            algorithm = timing.alternative_config["algorithm"]
-            alternative = f", {algorithm} at its default knobs {timing.alternative_ms:.3f} ms"
+        others = "".join(
+            f", {_alternative_label(timing.task, config)} {statistics.median(times) * 1e3:.3f} ms"
+            for config, times in timing.alternatives
+        )
         print(
             f"  task {tasks.index(timing.task)}: tuned {timing.tuned_ms:.3f} ms, default "
-            f"{timing.default_ms:.3f} ms{alternative} in the model"
+            f"{timing.default_ms:.3f} ms{others} in the model"
         )
 
 

@@ -13,16 +13,20 @@ records flagged `in_model` alone decide a workload's best until a later search m
 again (`TuningLog.ranked`), so a task whose tuned config loses in the model is built with its
 default. The other tasks run as each build has them: tuned in one, default in the other.
 
-A task whose tuned config runs another algorithm than its default, at knobs other than that
-algorithm's defaults, gets a third candidate in a third build: its algorithm at its
-template's default knobs. Knobs that tie alone can part in the model (MLP's 64 x 784 x 1024
-layer as Strassen's algorithm: 8 x 16 tiles 402 us alone against 8 x 32 ones at 405, and 7%
-slower in the model, where the weights come from L3).
+A task of several algorithms gets more candidates, each in a build of its own (a task's k-th
+candidate in the k-th extra build): its tuned algorithm at its template's default knobs, when
+that is another config (knobs that tie alone can part in the model: MLP's 64 x 784 x 1024
+layer as Strassen's algorithm, 8 x 16 tiles 402 us alone against 8 x 32 ones at 405, and 7%
+slower in the model, where the weights come from L3), and each other algorithm's fastest
+config alone (the same layer on Zen 3: Strassen's 159 GFLOP/s alone and 36% slower than the
+direct default in the model, where the packed-A form, 5% behind Strassen alone, was never
+built).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 
 from compiler_core.autotune.apply import tuned_schedules
@@ -47,9 +51,9 @@ class InModelTiming:
     tuned_config: dict
     tuned: tuple[float, ...]
     default: tuple[float, ...]
-    # The tuned algorithm at its template's default knobs, when that is a third config.
-    alternative_config: dict | None = None
-    alternative: tuple[float, ...] = ()
+    # More configs of a task of several algorithms (see the module's docstring), each with
+    # its in-model times.
+    alternatives: list[tuple[dict, tuple[float, ...]]] = dataclasses.field(default_factory=list)
 
     @property
     def tuned_ms(self) -> float:
@@ -60,19 +64,14 @@ class InModelTiming:
         return statistics.median(self.default) * 1e3
 
     @property
-    def alternative_ms(self) -> float | None:
-        return statistics.median(self.alternative) * 1e3 if self.alternative else None
-
-    @property
     def kept_default(self) -> bool:
-        return self.default_ms <= min(self.tuned_ms, self.alternative_ms or self.tuned_ms)
+        fastest = min(statistics.median(times) for _, times in self.candidates())
+        return statistics.median(self.default) <= fastest
 
     def candidates(self) -> list[tuple[dict, tuple[float, ...]]]:
         """(config, in-model times) of each config timed."""
         timed = [(self.tuned_config, self.tuned), (self.task.default_config(), self.default)]
-        if self.alternative_config is not None:
-            timed.append((self.alternative_config, self.alternative))
-        return timed
+        return timed + self.alternatives
 
 
 def check_in_model(
@@ -106,9 +105,13 @@ def check_in_model(
         load(compile_graph(graph, target, verify=False, tuning=log), num_threads=threads),
         load(compile_graph(graph, target, verify=False), num_threads=threads),
     ]
-    alternatives = _algorithm_defaults(tasks, tuned)
-    if alternatives:
-        builds.append(_alternatives_build(graph, target, alternatives, threads))
+    alternatives = {
+        task.key: _alternatives(task, tuned[task.key], log, fingerprint)
+        for task in tasks
+        if task.key in tuned
+    }
+    extra = max(map(len, alternatives.values()), default=0)
+    builds += [_alternatives_build(graph, target, alternatives, k, threads) for k in range(extra)]
     per_group = _profile_rounds(graph, builds, rounds)
     timings = []
     for task in tasks:
@@ -119,35 +122,45 @@ def check_in_model(
             for k in range(len(builds))
         )
         timing = InModelTiming(task, tuned[task.key], tuned_times, default_times)
-        if task.key in alternatives:
-            timing.alternative_config = alternatives[task.key][1]
-            timing.alternative = alternative_times[0]
+        timing.alternatives = list(zip(alternatives[task.key], alternative_times, strict=False))
         timings.append(timing)
     log.extend(_records(timings, measurer, compiler_version))
     return timings
 
 
-def _algorithm_defaults(tasks: list[Task], tuned: dict[str, dict]) -> dict[str, tuple]:
-    """{task key: (task, its tuned config's algorithm at its template's default knobs)} for
-    the tuned tasks where that is neither the tuned config nor the task's default."""
-    alternatives = {}
-    for task in tasks:
-        config = tuned.get(task.key)
-        if config is None or not task.algorithms:
-            continue
-        variant, _ = task.variant(config)
-        algorithm = config.get(ALGORITHM) or DIRECT
-        alternative = {ALGORITHM: algorithm, **variant.tunable.default_config()}
-        if config_key(alternative) not in (config_key(config), config_key(task.default_config())):
-            alternatives[task.key] = (task, alternative)
-    return alternatives
+def _alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str) -> list[dict]:
+    """A task's configs to time in the model beside its tuned config and its default: the
+    tuned algorithm at its template's default knobs, then each other algorithm's fastest
+    config measured alone, where these are other configs (none for a task of one
+    algorithm)."""
+    if not task.algorithms:
+        return []
+    variant, _ = task.variant(tuned)
+    algorithm = tuned.get(ALGORITHM) or DIRECT
+    configs = [{ALGORITHM: algorithm, **variant.tunable.default_config()}]
+    alone = sorted(
+        (r for r in log.records(task.key, fingerprint) if r.ok and not r.in_model),
+        key=lambda r: r.cost,
+    )
+    for other in task.algorithms:
+        if other != algorithm:
+            ran = (r.config for r in alone if (r.config.get(ALGORITHM) or DIRECT) == other)
+            configs += [config for config in itertools.islice(ran, 1)]
+    seen = {config_key(tuned), config_key(task.default_config())}
+    kept = []
+    for config in configs:
+        if config_key(config) not in seen:
+            seen.add(config_key(config))
+            kept.append(config)
+    return kept
 
 
-def _alternatives_build(graph: Graph, target: Target, alternatives, threads):
-    """The model built with each alternative config and every other task at its default."""
+def _alternatives_build(graph: Graph, target: Target, alternatives, k: int, threads):
+    """The model built with each task's k-th alternative config (see `_alternatives`), every
+    other task at its default."""
     from compiler_core.compiler import compile_graph
 
-    configs = {task.key: config for task, config in alternatives.values()}
+    configs = {key: configs[k] for key, configs in alternatives.items() if len(configs) > k}
     return load(compile_graph(graph, target, verify=False, configs=configs), num_threads=threads)
 
 

@@ -142,3 +142,30 @@ def test_packing_in_the_row_tile_loop_needs_the_row_tiles_outermost_in_one_nest(
     # Every packed config the tuner may try places the packing where it can run.
     space = [c for c in task.space() if c.get(ALGORITHM) == PACKED_A]
     assert space and all(c["order"] == "ij" for c in space if c["pack_a_at"] == "tile")
+
+
+def test_the_in_model_check_also_times_each_other_algorithms_fastest_config(tmp_path):
+    """A GEMM tuned to Strassen's algorithm whose log also holds packed-A configs: the
+    in-model check builds the packed form's fastest config alone too (not its slower one),
+    and the fastest of all in the model becomes the task's best."""
+    from compiler_core.autotune.in_model import check_in_model
+    from compiler_core.autotune.measure import MeasureOptions, Measurer, Result
+    from compiler_core.autotune.records import FileLog
+    from compiler_core.autotune.search import measured_record
+    from compiler_core.kernels.strassen import STRASSEN
+
+    graph, task = the_task(gemm_model(64, 512, 512))
+    strassen = {ALGORITHM: STRASSEN, **task.variants[STRASSEN].tunable.default_config()}
+    packed = packed_config(task)
+    slower = packed_config(task, order="ji" if packed["order"] == "ij" else "ij")
+    costs = ((task.default_config(), 1e-3), (strassen, 1e-6), (packed, 2e-6), (slower, 3e-6))
+    with Measurer(host_target(), MeasureOptions(repeats=2, min_repeat_seconds=0.001)) as measurer:
+        log = FileLog(tmp_path / "t.jsonl")
+        for config, cost in costs:
+            log.append(measured_record(task, config, Result((cost,)), measurer))
+        (timing,) = check_in_model(graph, host_target(), [task], log, measurer, rounds=2)
+    assert [config for config, _ in timing.alternatives] == [packed]
+    in_model = [r.config for r in log.records() if r.in_model]
+    assert in_model == [strassen, task.default_config(), packed]
+    fastest = min(timing.candidates(), key=lambda c: np.median(c[1]))[0]
+    assert log.best(task.key, measurer.fingerprint).config == fastest

@@ -244,7 +244,8 @@ def test_the_in_model_check_also_times_the_tuned_algorithm_at_its_default_knobs(
     for config, cost in ((task.default_config(), 1e-3), (tuned, 1e-6)):
         log.append(measured_record(task, config, Result((cost,)), measurer))
     (timing,) = check_in_model(graph, host_target(), [task], log, measurer, rounds=2)
-    assert timing.alternative_config == knobs_default and len(timing.alternative) == 2
+    ((alternative, times),) = timing.alternatives
+    assert alternative == knobs_default and len(times) == 2
     in_model = [r for r in log.records() if r.in_model]
     assert [r.config for r in in_model] == [tuned, task.default_config(), knobs_default]
     fastest = min(timing.candidates(), key=lambda c: np.median(c[1]))[0]
