@@ -382,7 +382,7 @@ def _alternative_label(task, config: dict) -> str:
     variant, knobs = task.variant(config)
     changed = {k: v for k, v in knobs.items() if variant.tunable.default_config().get(k) != v}
     where = " ".join(f"{k}={v}" for k, v in changed.items()) or "at its default knobs"
-    return f"{config['algorithm']} {where}"
+    return f"{config.get('algorithm') or 'direct'} {where}"
 
 
 def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:

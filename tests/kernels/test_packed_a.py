@@ -169,3 +169,29 @@ def test_the_in_model_check_also_times_each_other_algorithms_fastest_config(tmp_
     assert in_model == [strassen, task.default_config(), packed]
     fastest = min(timing.candidates(), key=lambda c: np.median(c[1]))[0]
     assert log.best(task.key, measurer.fingerprint).config == fastest
+
+
+def test_kiln_tune_names_each_alternative_timed_in_the_model(tmp_path, capsys):
+    """`kiln tune`'s in-model lines name every config the check built: an algorithm at its
+    default knobs, or the knobs that differ from them (a record from before the algorithm
+    knob ran the direct GEMM)."""
+    from compiler_core.autotune.measure import MeasureOptions, Measurer, Result
+    from compiler_core.autotune.records import FileLog
+    from compiler_core.autotune.search import measured_record
+    from compiler_core.cli import _check_in_model
+    from compiler_core.kernels.strassen import STRASSEN
+
+    graph, task = the_task(gemm_model(64, 512, 512))
+    strassen = {ALGORITHM: STRASSEN, **task.variants[STRASSEN].tunable.default_config()}
+    direct = {k: v for k, v in task.default_config().items() if k != ALGORITHM}
+    direct["order"] = "ji" if direct["order"] == "ij" else "ij"  # no algorithm knob: direct
+    costs = ((task.default_config(), 1e-3), (strassen, 1e-6), (direct, 2e-6))
+    costs += ((packed_config(task), 3e-6),)
+    with Measurer(host_target(), MeasureOptions(repeats=2, min_repeat_seconds=0.001)) as measurer:
+        log = FileLog(tmp_path / "t.jsonl")
+        for config, cost in costs:
+            log.append(measured_record(task, config, Result((cost,)), measurer))
+        _check_in_model(graph, host_target(), [task], log, measurer, threads=None)
+    out = capsys.readouterr().out
+    assert "checked in the model: 1 tuned tasks" in out
+    assert f"direct order={direct['order']} " in out and "packed_a at its default knobs " in out
