@@ -195,3 +195,27 @@ def test_kiln_tune_names_each_alternative_timed_in_the_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "checked in the model: 1 tuned tasks" in out
     assert f"direct order={direct['order']} " in out and "packed_a at its default knobs " in out
+
+
+def test_untuned_a_gemm_of_many_rows_runs_packed_on_avx2():
+    """With AVX2's 16 registers a GEMM of 256 rows or more whose direct tile is held to
+    fewer rows (4, to pad none) than the packed one (6) runs packed untuned, and matches ONNX
+    Runtime; fewer rows, a direct tile as tall as the packed one, or AVX-512's registers
+    keep the direct GEMM."""
+    import compiler_core
+
+    def default_algorithm(model, target):
+        graph = optimize(import_model(model), target=target)
+        (task,) = [t for t in extract_tasks(graph, target) if t.template == "dense"]
+        return task.default_config()[ALGORITHM]
+
+    model = matmul_model(256, 128, 64)
+    assert default_algorithm(model, AVX2) == PACKED_A
+    assert default_algorithm(matmul_model(128, 128, 64), AVX2) == "direct"
+    assert default_algorithm(matmul_model(258, 128, 64), AVX2) == "direct"  # 6-row tiles
+    assert default_algorithm(model, AVX512) == "direct"
+    module = load(compiler_core.compile(model, target=str(AVX2)))
+    feeds = {"x": rand(256, 128)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(["z"], feeds)[0]
+    assert_close_to_scale(module.run(feeds)["z"], expected, label="untuned packed")
