@@ -20,6 +20,7 @@ from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.target import host_target, parse_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
+from tests.kernels.test_strassen import matmul_model as strassen_matmul_model
 
 RNG = np.random.default_rng(47)
 AVX2 = parse_target("llvm -mattr=+avx2,+fma")
@@ -60,13 +61,7 @@ def gemm_model(rows, depth, columns, trans_b=1, alpha=1.0, beta=1.0, bias_shape=
 
 def matmul_model(rows, depth, columns, batch=()):
     """MatMul of a [*batch, rows, depth] activation by constant weights, then Add of a bias."""
-    weights = {"w": rand(depth, columns, scale=depth**-0.5), "b": rand(columns)}
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["y"]),
-        helper.make_node("Add", ["y", "b"], ["z"]),
-    ]
-    x, z = [*batch, rows, depth], [*batch, rows, columns]
-    return make_model(nodes, [("x", FLOAT, x)], [("z", FLOAT, z)], weights)
+    return strassen_matmul_model(rows, depth, columns, batch)
 
 
 def the_task(model):
