@@ -139,7 +139,11 @@ def _alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str) -> 
     algorithm = tuned.get(ALGORITHM) or DIRECT
     configs = [{ALGORITHM: algorithm, **variant.tunable.default_config()}]
     alone = sorted(
-        (r for r in log.records(task.key, fingerprint) if r.ok and not r.in_model),
+        (
+            r
+            for r in log.records(task.key, fingerprint)
+            if r.ok and not r.in_model and _current(task, r)
+        ),
         key=lambda r: r.cost,
     )
     for other in task.algorithms:
@@ -153,6 +157,18 @@ def _alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str) -> 
             seen.add(config_key(config))
             kept.append(config)
     return kept
+
+
+def _current(task: Task, record) -> bool:
+    """Whether a record's config is one the task's template builds today (a record of an
+    older template version, or of knob values since dropped, is not)."""
+    if (record.template, record.template_version) != (task.template, task.template_version):
+        return False
+    try:
+        task.records(record.config)
+    except ValueError:
+        return False
+    return True
 
 
 def _alternatives_build(graph: Graph, target: Target, alternatives, k: int, threads):

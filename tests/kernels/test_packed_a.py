@@ -141,8 +141,9 @@ def test_packing_in_the_row_tile_loop_needs_the_row_tiles_outermost_in_one_nest(
 
 def test_the_in_model_check_also_times_each_other_algorithms_fastest_config(tmp_path):
     """A GEMM tuned to Strassen's algorithm whose log also holds packed-A configs: the
-    in-model check builds the packed form's fastest config alone too (not its slower one),
-    and the fastest of all in the model becomes the task's best."""
+    in-model check builds the packed form's fastest config alone too (not its slower one,
+    nor a faster record whose knobs the template no longer takes), and the fastest of all in
+    the model becomes the task's best."""
     from compiler_core.autotune.in_model import check_in_model
     from compiler_core.autotune.measure import MeasureOptions, Measurer, Result
     from compiler_core.autotune.records import FileLog
@@ -153,7 +154,9 @@ def test_the_in_model_check_also_times_each_other_algorithms_fastest_config(tmp_
     strassen = {ALGORITHM: STRASSEN, **task.variants[STRASSEN].tunable.default_config()}
     packed = packed_config(task)
     slower = packed_config(task, order="ji" if packed["order"] == "ij" else "ij")
+    stale = packed_config(task, mr=packed["mr"] + 1)  # the panels' width is the row tile
     costs = ((task.default_config(), 1e-3), (strassen, 1e-6), (packed, 2e-6), (slower, 3e-6))
+    costs += ((stale, 1.5e-6),)
     with Measurer(host_target(), MeasureOptions(repeats=2, min_repeat_seconds=0.001)) as measurer:
         log = FileLog(tmp_path / "t.jsonl")
         for config, cost in costs:
