@@ -26,7 +26,6 @@ built).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import statistics
 
 from compiler_core.autotune.apply import tuned_schedules
@@ -139,17 +138,14 @@ def _alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str) -> 
     algorithm = tuned.get(ALGORITHM) or DIRECT
     configs = [{ALGORITHM: algorithm, **variant.tunable.default_config()}]
     alone = sorted(
-        (
-            r
-            for r in log.records(task.key, fingerprint)
-            if r.ok and not r.in_model and _current(task, r)
-        ),
+        (r for r in log.records(task.key, fingerprint) if r.ok and not r.in_model),
         key=lambda r: r.cost,
     )
     for other in task.algorithms:
         if other != algorithm:
-            ran = (r.config for r in alone if (r.config.get(ALGORITHM) or DIRECT) == other)
-            configs += [config for config in itertools.islice(ran, 1)]
+            ran = (r for r in alone if (r.config.get(ALGORITHM) or DIRECT) == other)
+            fastest = next((r.config for r in ran if _current(task, r)), None)
+            configs += [fastest] if fastest is not None else []
     seen = {config_key(tuned), config_key(task.default_config())}
     kept = []
     for config in configs:

@@ -701,8 +701,8 @@ def _matmul(ctx: KernelContext, node: Node):
     # By a 2-D B, every row of every batch of A is a row of one GEMM.
     rows_shape = (math.prod(out.shape[:-1]), out.shape[-1])
     algorithms = _gemm_algorithms(ctx, node.inputs[1], rows_shape, a_type.shape[-1], not a_vector)
-    a_bytes = a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
-    chosen = _gemm_algorithm(ctx, node, algorithms, rows_shape, a_bytes)
+    a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
+    chosen = _gemm_algorithm(ctx, node, algorithms, rows_shape, a_row_bytes)
     if chosen == STRASSEN:
         lead = a_type.shape[:-1]
 
@@ -727,7 +727,6 @@ def _matmul(ctx: KernelContext, node: Node):
     b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
     b_batch = b_type.shape[:-2]
     batch_shape, rows = out_shape[:-2], out_shape[-2]
-    a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
     shape = _tiled_shape(ctx, out_shape, width, a_row_bytes, pack)
 
     def body(*index):
@@ -837,10 +836,15 @@ def _gemm_algorithms(ctx: KernelContext, b_value: str, out_shape, depth: int, pl
         return ("direct",)
     rows, columns = out_shape[-2], out_shape[-1]
     algorithms = gemm_algorithms(rows, depth, columns, ctx.target.vector_lanes)
-    vectors = _panel_vectors(panel_width(columns, ctx.target.vector_lanes), ctx)
-    if rows >= 2 * packed_row_tile(rows, ctx.target, vectors) and depth >= PACKED_A_MIN_DEPTH:
+    packed_rows = packed_row_tile(rows, ctx.target, _gemm_vectors(ctx, columns))
+    if rows >= 2 * packed_rows and depth >= PACKED_A_MIN_DEPTH:
         algorithms += (PACKED_A,)
     return algorithms
+
+
+def _gemm_vectors(ctx: KernelContext, columns: int) -> int:
+    """Vector registers across the panel of a GEMM of `columns` by constant weights."""
+    return _panel_vectors(panel_width(columns, ctx.target.vector_lanes), ctx)
 
 
 # The GEMM whose A is packed into row-tile panels first (`_packed_a_product`): an algorithm
@@ -879,7 +883,7 @@ def _untuned_gemm_algorithm(
         return "direct"
     if ctx.target.vector_registers > PACKED_A_UNTUNED_REGISTERS:
         return "direct"
-    vectors = _panel_vectors(panel_width(columns, ctx.target.vector_lanes), ctx)
+    vectors = _gemm_vectors(ctx, columns)
     direct = gemm_row_tile(rows, ctx.target, vectors, a_row_bytes)
     return PACKED_A if packed_row_tile(rows, ctx.target, vectors) > direct else "direct"
 
@@ -942,8 +946,8 @@ def _gemm(ctx: KernelContext, node: Node):
     depth = ctx.type(a_value).shape[0 if trans_a else 1]
     has_c = len(node.inputs) > 2 and node.inputs[2]
     algorithms = _gemm_algorithms(ctx, b_value, out.shape, depth, not trans_a)
-    a_bytes = depth * np.dtype(ctx.type(a_value).dtype).itemsize
-    chosen = _gemm_algorithm(ctx, node, algorithms, out.shape, a_bytes)
+    a_row_bytes = 0 if trans_a else depth * np.dtype(ctx.type(a_value).dtype).itemsize
+    chosen = _gemm_algorithm(ctx, node, algorithms, out.shape, a_row_bytes)
     if chosen == STRASSEN:
         bias_at = _gemm_bias(ctx, node, beta) if has_c else None
         return _strassen(ctx, node, lambda i, k: a[i, k], trans_b, alpha, bias_at, algorithms)
@@ -955,7 +959,7 @@ def _gemm(ctx: KernelContext, node: Node):
         )  # fmt: skip
         alpha = 1.0  # folded into the constant panels
     else:
-        product, alpha = _direct_gemm(ctx, node, a, depth, trans_a, alpha, algorithms)
+        product, alpha = _direct_gemm(ctx, node, a, depth, a_row_bytes, alpha, algorithms)
     if not has_c and alpha == 1.0:
         return [_cropped(ctx, node, product, out.shape)]
     bias_at = _gemm_bias(ctx, node, beta) if has_c else None
@@ -971,18 +975,18 @@ def _gemm(ctx: KernelContext, node: Node):
     return [compute(out.shape, epilogue, ctx.stage_name(node))]
 
 
-def _direct_gemm(ctx: KernelContext, node: Node, a: Tensor, depth: int, trans_a, alpha, algorithms):
-    """A Gemm's product read from A where it lies, and the alpha left to apply (1 when it is
-    folded into constant panels)."""
+def _direct_gemm(
+    ctx: KernelContext, node: Node, a: Tensor, depth: int, a_row_bytes: int, alpha, algorithms
+):
+    """A Gemm's product read from A where it lies (its rows `a_row_bytes` apart; 0: A
+    transposed), and the alpha left to apply (1 when it is folded into constant panels)."""
     out = ctx.type(node.outputs[0])
-    b_value, trans_b = node.inputs[1], node.attr("transB", 0)
+    b_value, trans_b, trans_a = node.inputs[1], node.attr("transB", 0), node.attr("transA", 0)
     kk = reduce_axis(depth, "rk")
     b_at, width, pack = _dense_b(ctx, node, b_value, transpose=bool(trans_b), scale=alpha)
     if pack is None:  # alpha is folded into the constant panels
         alpha = 1.0
     rows = out.shape[0]
-    a_type = ctx.type(node.inputs[0])
-    a_row_bytes = 0 if trans_a else a_type.shape[1] * np.dtype(a_type.dtype).itemsize
     shape = _tiled_shape(ctx, out.shape, width, a_row_bytes, pack)
 
     def body(i, j):
