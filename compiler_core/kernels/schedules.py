@@ -456,16 +456,21 @@ def _triple_tile(
 ) -> tuple[int, int] | None:
     """Three channel blocks per tile of a conv without taps (a 1x1 conv, a Winograd GEMM),
     for output blocks that do not pair up but come in threes (24 channels: MobileNet's 56x56
-    stage), on a target whose FMAs cannot take a broadcast operand (AVX2): each broadcast
-    input then feeds three FMAs instead of one, and the tile has as many pixels as the
-    accumulators allow. Measured on Zen 1 (AVX2, one 256-bit FMA a cycle), MobileNetV2's
+    stage), on a target whose FMAs cannot take a broadcast operand (AVX2), or whose blocks
+    are narrower than its vectors (8-channel blocks on AVX-512: ymm FMAs, two a cycle, each
+    with its broadcast load where a tile of one block shares none): each broadcast input then
+    feeds three FMAs instead of one, and the tile has as many pixels as the accumulators
+    allow. Measured on Zen 1 (AVX2, one 256-bit FMA a cycle), MobileNetV2's
     56x56 project convs (96 and 144 -> 24 channels) against the one-block tile of 8 pixels:
     245 -> 195 us and 382 -> 290 us (59 -> 74 GFLOP/s, the peak 78); 2 pixels x 3 blocks
     201 and 305 us. With taps, the three weight vectors of each tap join the twelve
     accumulators in the sixteen registers: a 3x3 conv to 24 channels ran 494 us in 4 x 3
-    tiles, 436 in 8 x 1."""
+    tiles, 436 in 8 x 1. On Zen 4 (AVX-512, 24 channels in 8-channel blocks), MobileNetV2's
+    56x56 project convs alone: 8 pixels x 3 blocks 99 and 66 us against 113 and 73 with
+    14 x 1 (bench.transfer's measured tables, every config of the two)."""
     pair_up, come_in_threes = out_blocks % 2 == 0, (group_blocks or out_blocks) % 3 == 0
-    if target.fma_broadcasts or pair_up or not come_in_threes:
+    broadcasts_free = target.fma_broadcasts and block >= target.vector_lanes
+    if broadcasts_free or pair_up or not come_in_threes:
         return None
     bound = _nchwc_most(block, target) // 3
     pixels = next((t for t in range(bound, 1, -1) if width % t == 0), 0)

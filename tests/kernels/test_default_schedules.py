@@ -397,7 +397,10 @@ def test_a_conv_without_taps_shares_each_broadcast_among_three_blocks_on_avx2():
     """Three 8-channel output blocks (24 channels) do not pair up: on AVX2, whose FMAs take no
     broadcast operand, a 1x1 conv's tile spans all three (4 pixels, 12 accumulators); a conv
     with taps keeps one block (its three weight vectors a tap would not fit beside 12
-    accumulators), and so does AVX-512, whose FMAs broadcast from memory."""
+    accumulators). On AVX-512 the 8-channel blocks are half a register (ymm FMAs, each with a
+    broadcast load of its own in a one-block tile): three blocks there too, as many pixels as
+    the accumulators allow; 16-channel blocks, whose FMAs broadcast from memory at their own
+    rate, keep one."""
     import dataclasses
 
     from compiler_core.kernels.schedules import nchwc_default_tile
@@ -409,7 +412,8 @@ def test_a_conv_without_taps_shares_each_broadcast_among_three_blocks_on_avx2():
     assert nchwc_default_tile(14, 8, False, 9, avx2, taps=False) == (2, 3)
     assert nchwc_default_tile(56, 8, False, 3, avx2, taps=True) == (8, 1)
     assert nchwc_default_tile(56, 8, False, 6, avx2, taps=False) == (4, 2)  # they pair up
-    assert nchwc_default_tile(56, 8, False, 3, avx512, taps=False)[1] == 1
+    assert nchwc_default_tile(56, 8, False, 3, avx512, taps=False) == (8, 3)
+    assert nchwc_default_tile(56, 16, False, 3, avx512, taps=False)[1] == 1
 
 
 def test_a_blocked_conv_prefetches_its_next_weights_and_old_records_keep_their_meaning():
