@@ -393,7 +393,7 @@ def test_pools_of_either_block_get_the_blocked_pool_tile():
         assert any(type(r).__name__ == "CacheWrite" for r in kernel.schedule), channels
 
 
-def test_a_conv_without_taps_shares_each_broadcast_among_three_blocks_on_avx2():
+def test_a_conv_without_taps_shares_each_broadcast_among_three_blocks_where_fmas_load_it():
     """Three 8-channel output blocks (24 channels) do not pair up: on AVX2, whose FMAs take no
     broadcast operand, a 1x1 conv's tile spans all three (4 pixels, 12 accumulators); a conv
     with taps keeps one block (its three weight vectors a tap would not fit beside 12
