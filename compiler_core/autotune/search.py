@@ -274,13 +274,36 @@ class Tuner:
     def _batch_for(self, state: TaskState) -> int:
         """A task's first batch: the default and the top picks of an informed model
         (`_informed`); half a batch once the model is trained at all (its top picks, the
-        default, proven configs and one at random); a whole batch before. A model of many
-        tasks is covered sooner, and the next batches go where the gains are."""
-        if state.trials == 0 and self._informed(state):
-            return 1 + INFORMED_PICKS
-        if state.trials == 0 and self.model.trained:
-            return max(self.batch // 2, 2)
-        return self.batch
+        default, proven configs and one at random); a whole batch before; each with the
+        other algorithms' defaults on top. A model of many tasks is covered sooner, and the
+        next batches go where the gains are."""
+        if state.trials:
+            return self.batch
+        others = len(self._algorithm_defaults(state))
+        if self._informed(state):
+            return 1 + INFORMED_PICKS + others
+        if self.model.trained:
+            return max(self.batch // 2, 2) + others
+        return self.batch + others
+
+    def _algorithm_defaults(self, state: TaskState) -> list[dict]:
+        """The other algorithms' own defaults (each variant's template rules), unmeasured:
+        a task's first batch measures them beside the default. The untuned algorithm is the
+        rules' guess, and another's default can beat it by more than any knob of its own:
+        ResNet-18's 256-channel 14x14 3x3 conv on Zen 4 runs Winograd F(2x2) by default at
+        0.78 of its space's best, F(4x4) at its defaults 0.96 (every config within 5% of the
+        best is an F(4x4) one), and F(4x4)'s tile knob takes values F(2x2)'s default lacks,
+        so no neighbour of the default reaches it."""
+        task = state.task
+        default = task.default_config()
+        configs = []
+        for algorithm, variant in task.variants.items():
+            if algorithm == default.get(ALGORITHM):
+                continue
+            config = {ALGORITHM: algorithm, **variant.tunable.default_config()}
+            if config_key(config) not in state.visited:
+                configs.append(config)
+        return configs
 
     def _informed(self, state: TaskState) -> bool:
         """Whether the cost model was fit on INFORMED_WORKLOADS workloads of the task's
@@ -321,7 +344,8 @@ class Tuner:
     def _choose(self, state: TaskState, count: int) -> list[dict]:
         """The next batch: the configs the model ranks fastest among the candidates (when it
         is trained), the default point while it is unmeasured, in a task's first batch the
-        configs proven on other workloads of its template (`_proven`), and an epsilon share
+        other algorithms' defaults (`_algorithm_defaults`) and the configs proven on other
+        workloads of its template (`_proven`), and an epsilon share
         at random (before the model has anything to learn from, the rest of the batch: the
         default's neighbours, then the rest of the space). An informed model (`_informed`)
         picks all of a task's first batch but the default, from the whole space."""
@@ -329,15 +353,18 @@ class Tuner:
         default_due = config_key(default) not in state.visited
         rest = [c for c in state.unvisited() if c != default]
         informed = state.trials == 0 and self._informed(state)
+        firsts = [] if state.trials else self._algorithm_defaults(state)[:count]
+        first_keys = {config_key(c) for c in firsts}
+        rest = [c for c in rest if config_key(c) not in first_keys]
         proven = []
         if state.trials == 0 and not informed:
             # proven configs leave room in the batch for the default and one other pick
-            proven = self._proven(state, rest)[: max(count - 2, 0)]
+            proven = self._proven(state, rest)[: max(count - 2 - len(firsts), 0)]
         taken = {config_key(c) for c in proven}
         rest = [c for c in rest if config_key(c) not in taken]
         greedy: list[dict] = []
         if self.model.trained and rest:
-            slots = count - int(default_due) - len(proven)
+            slots = count - int(default_due) - len(proven) - len(firsts)
             # proven configs explore beyond the model too: the model keeps one pick at least
             explore = max(1, round(count * self.epsilon)) if not (proven or informed) else 0
             budget = FIRST_SCORED if informed else SCORED_PER_ROUND
@@ -357,7 +384,7 @@ class Tuner:
             rest.sort(key=lambda c: not _one_knob_apart(c, default))
         # A trained model's first pick is measured first: the default's cost is only wanted
         # as the baseline, in the same batch.
-        chosen = greedy[:1] + ([default] if default_due else []) + proven + greedy[1:]
+        chosen = greedy[:1] + ([default] if default_due else []) + firsts + proven + greedy[1:]
         chosen += rest[: count - len(chosen)]
         return chosen[:count]
 

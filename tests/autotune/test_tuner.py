@@ -604,6 +604,28 @@ def test_the_algorithm_is_a_knob_whose_every_value_computes_the_reference(measur
     assert [r.error for r in results] == ["ok"] * len(sample), results
 
 
+def test_a_first_batch_measures_each_other_algorithms_default(tmp_path, target, measurer):
+    """A task of several algorithms measures, beside its default, each other algorithm at its
+    own template's defaults in its first batch (cold or warm); no later batch is widened."""
+    (task,) = tasks_of(winograd_model())
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer, seed=1)
+    (state,) = tuner.states
+    default = task.default_config()
+    others = [
+        {ALGORITHM: algorithm, **variant.tunable.default_config()}
+        for algorithm, variant in task.variants.items()
+        if algorithm != default[ALGORITHM]
+    ]
+    assert len(others) == 2 and all(c in state.space for c in others)
+    assert tuner._batch_for(state) == tuner.batch + 2
+    first = tuner._choose(state, tuner._batch_for(state))
+    assert first[:3] == [default, *others] and len(first) == tuner.batch + 2
+    tuner.run(trials=len(first))
+    assert state.trials == len(first)
+    assert tuner._algorithm_defaults(state) == [] and tuner._batch_for(state) == tuner.batch
+
+
 @pytest.mark.parametrize("algorithm", ["direct", "winograd4"])
 def test_builds_run_the_algorithm_of_the_best_record(tmp_path, target, measurer, algorithm):
     model = winograd_model()
