@@ -134,9 +134,8 @@ def _alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str) -> 
     algorithm)."""
     if not task.algorithms:
         return []
-    variant, _ = task.variant(tuned)
     algorithm = tuned.get(ALGORITHM) or DIRECT
-    configs = [{ALGORITHM: algorithm, **variant.tunable.default_config()}]
+    configs = [task.algorithm_default(algorithm)]
     alone = sorted(
         (r for r in log.records(task.key, fingerprint) if r.ok and not r.in_model),
         key=lambda r: r.cost,

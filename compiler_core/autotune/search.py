@@ -295,15 +295,9 @@ class Tuner:
         best is an F(4x4) one), and F(4x4)'s tile knob takes values F(2x2)'s default lacks,
         so no neighbour of the default reaches it."""
         task = state.task
-        default = task.default_config()
-        configs = []
-        for algorithm, variant in task.variants.items():
-            if algorithm == default.get(ALGORITHM):
-                continue
-            config = {ALGORITHM: algorithm, **variant.tunable.default_config()}
-            if config_key(config) not in state.visited:
-                configs.append(config)
-        return configs
+        others = [a for a in task.algorithms if a != task.default_config().get(ALGORITHM)]
+        configs = [task.algorithm_default(algorithm) for algorithm in others]
+        return [c for c in configs if config_key(c) not in state.visited]
 
     def _informed(self, state: TaskState) -> bool:
         """Whether the cost model was fit on INFORMED_WORKLOADS workloads of the task's

@@ -110,6 +110,10 @@ class Task:
         default = self.tunable.default_config()
         return {ALGORITHM: self.default_algorithm, **default} if self.algorithms else default
 
+    def algorithm_default(self, algorithm: str) -> dict[str, object]:
+        """`algorithm` at its own template's default knobs (a task of several algorithms)."""
+        return {ALGORITHM: algorithm, **self._variant_of(algorithm).tunable.default_config()}
+
     def records(self, config: Config | None = None) -> list[Record]:
         """The whole group's schedule with the template at `config` (for its variant)."""
         variant, rest = self.variant(config)
