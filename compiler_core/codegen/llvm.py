@@ -18,7 +18,7 @@ The renderer follows the loop kinds the schedule chose and decides nothing itsel
   preempts on a busy machine holds up one chunk, not half the loop, since the others take
   over its home;
 - local buffers are stack arrays (LLVM promotes fully unrolled tiles to registers), workspace
-  buffers are heap blocks.
+  buffers are heap blocks from the process's cache of them (codegen/kiln_workspace.c).
 
 Float arithmetic carries the `contract` fast-math flag, so multiply-adds fuse into FMAs.
 """
@@ -401,12 +401,15 @@ class FunctionEmitter:
             inner = dataclasses.replace(scope, buffers={**scope.buffers, s.buffer: pointer})
             self._stmt(b, inner, s.body)
             return
-        malloc = self._declare("malloc", PTR, [I64])
-        free = self._declare("free", ir.VoidType(), [PTR])
-        pointer = b.call(malloc, [I64(max(s.buffer.nbytes, 1))], name=s.buffer.name)
+        # From the process's cache of workspace blocks (codegen/kiln_workspace.c), not malloc:
+        # a block of megabytes freed to malloc goes back to the OS, and the next call would
+        # fault its pages in again.
+        take = self._declare("kiln_workspace_take", PTR, [I64])
+        give = self._declare("kiln_workspace_give", ir.VoidType(), [PTR])
+        pointer = b.call(take, [I64(max(s.buffer.nbytes, 1))], name=s.buffer.name)
         inner = dataclasses.replace(scope, buffers={**scope.buffers, s.buffer: pointer})
         self._stmt(b, inner, s.body)
-        b.call(free, [pointer])
+        b.call(give, [pointer])
 
     # --- memory ---------------------------------------------------------------------------
 

@@ -114,29 +114,36 @@ def compiler_driver() -> str:
 
 
 POOL_SOURCE = Path(__file__).with_name("kiln_pool.c")
-_pool_object: bytes | None = None
+WORKSPACE_SOURCE = Path(__file__).with_name("kiln_workspace.c")
+# What every kernel library links besides its kernels: the thread pool its parallel loops run
+# on, and the cache its kernels take their workspace blocks from.
+SUPPORT_SOURCES = (POOL_SOURCE, WORKSPACE_SOURCE)
+_support_objects: list[bytes] | None = None
 
 
-def pool_object() -> bytes:
-    """The thread pool that parallel loops run on (kiln_pool.c), compiled once per process."""
-    global _pool_object
-    if _pool_object is None:
-        with tempfile.TemporaryDirectory(prefix="kiln-pool-") as tmp:
-            out = Path(tmp) / "kiln_pool.o"
-            command = [compiler_driver(), "-O2", "-fPIC", "-pthread", "-c", str(POOL_SOURCE)]
-            result = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise LinkError(f"compiling the thread pool failed:\n{result.stderr}")
-            _pool_object = out.read_bytes()
-    return _pool_object
+def support_objects() -> list[bytes]:
+    """SUPPORT_SOURCES compiled, once per process."""
+    global _support_objects
+    if _support_objects is None:
+        objects = []
+        with tempfile.TemporaryDirectory(prefix="kiln-support-") as tmp:
+            for source in SUPPORT_SOURCES:
+                out = Path(tmp) / f"{source.stem}.o"
+                command = [compiler_driver(), "-O2", "-fPIC", "-pthread", "-c", str(source)]
+                result = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise LinkError(f"compiling {source.name} failed:\n{result.stderr}")
+                objects.append(out.read_bytes())
+        _support_objects = objects
+    return _support_objects
 
 
 def link_shared(objects: list[bytes], output: Path) -> Path:
-    """Link object files and Kiln's thread pool into one shared library."""
+    """Link object files and Kiln's support code (SUPPORT_SOURCES) into one shared library."""
     output = Path(output)
     with tempfile.TemporaryDirectory(prefix="kiln-link-") as tmp:
         paths = []
-        for i, data in enumerate([*objects, pool_object()]):
+        for i, data in enumerate([*objects, *support_objects()]):
             path = Path(tmp) / f"part{i}.o"
             path.write_bytes(data)
             paths.append(str(path))

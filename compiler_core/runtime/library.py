@@ -71,6 +71,9 @@ class KernelLibrary:
         self._join_process_pool()
 
     def _join_process_pool(self) -> None:
+        """Run this library's parallel loops on the first library's pool, and take its
+        kernels' workspace blocks from that library's cache (kiln_workspace.c): one of each
+        per process, however many libraries it loads (a tuning runner loads hundreds)."""
         global _POOL_HOST
         share = getattr(self._lib, "kiln_pool_share", None)
         if share is None:
@@ -80,6 +83,15 @@ class KernelLibrary:
             return
         share.argtypes = [ctypes.c_void_p]
         share(ctypes.cast(_POOL_HOST.kiln_pool_run, ctypes.c_void_p))
+        share_workspace = getattr(self._lib, "kiln_workspace_share", None)
+        host_alloc = getattr(_POOL_HOST, "kiln_workspace_alloc", None)
+        if share_workspace is None or host_alloc is None:
+            return  # one of the two was built before the cache: each keeps its own malloc
+        share_workspace.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        share_workspace(
+            ctypes.cast(host_alloc, ctypes.c_void_p),
+            ctypes.cast(_POOL_HOST.kiln_workspace_free, ctypes.c_void_p),
+        )
 
     def set_threads(self, count: int) -> None:
         """The thread count of this library's pool (kiln_pool.c), if it has one."""

@@ -1,0 +1,156 @@
+"""The cache kernels take their workspace blocks from (codegen/kiln_workspace.c): a kernel's
+workspace is not faulted in from fresh pages on every call, a freed block serves the next
+request it covers (the smallest that does), the cache keeps a bounded number of blocks, and
+every library of a process shares the first one's cache."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from compiler_core import te
+from compiler_core.codegen.llvm import build_module
+from compiler_core.codegen.native import WORKSPACE_SOURCE, compiler_driver, emit_object, link_shared
+from compiler_core.schedule.primitives import Parallel, apply
+from compiler_core.target import host_target
+
+KB = 1024
+KEPT_BLOCKS = 8  # kiln_workspace.c's KILN_KEPT_BLOCKS
+
+ROWS, COLS = 56, 4096
+
+
+def staged_kernel():
+    """Three intermediate stages of 0.9, 1.8 and 1.8 MB (a Winograd conv's padded input,
+    transformed input and products at 56x56 are of these sizes), each a workspace buffer."""
+    a = te.placeholder((ROWS, COLS), "float32", "a")
+    b = te.compute((ROWS, COLS), lambda i, j: a[i, j] * 2.0, "b")
+    d = te.compute((2 * ROWS, COLS), lambda i, j: b[i // 2, j] + 1.0, "d")
+    e = te.compute((2 * ROWS, COLS), lambda i, j: d[i, j] * 3.0, "e")
+    out = te.compute((ROWS, COLS), lambda i, j: e[2 * i, j] + d[2 * i + 1, COLS - 1 - j], "out")
+    func = te.lower([a], [out], "staged")
+    return apply(func, [Parallel("d_i0"), Parallel("e_i0"), Parallel("out_i0")])
+
+
+FAULTS_SCRIPT = """
+import json, resource, sys
+import numpy as np
+from compiler_core.runtime.library import KernelLibrary
+library = KernelLibrary(sys.argv[1])
+x = np.random.default_rng(0).standard_normal((56, 4096)).astype(np.float32)
+expected = None
+faults = []
+for call in range(12):
+    out = np.zeros_like(x)  # a fresh output per call, as the tuning runner allocates
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    library.call("staged", [x, out])
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    expected = out if expected is None else expected
+    assert np.array_equal(out, expected)
+print(json.dumps(faults))
+"""
+
+
+def test_a_kernels_workspace_is_not_faulted_in_again_on_every_call(tmp_path):
+    """In a fresh process (the tuning runner is one) whose caller allocates between calls,
+    blocks freed to malloc went back to the OS after every call: each call faulted its 4.5 MB
+    of workspace in again, about 860 pages (ResNet-18's first Winograd conv ran 4x slower in
+    the runner than in a process whose heap held the memory). From the cache, no page is
+    faulted again after the first call but the output's."""
+    target = host_target()
+    obj = emit_object(build_module([staged_kernel()], target), target)
+    path = link_shared([obj], tmp_path / "staged.so")
+    result = subprocess.run(
+        [sys.executable, "-c", FAULTS_SCRIPT, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    faults = json.loads(result.stdout.splitlines()[-1])
+    output_pages = ROWS * COLS * 4 // 4096
+    workspace_pages = 5 * ROWS * COLS * 4 // 4096
+    assert faults[0] >= workspace_pages // 2  # the first call maps the blocks
+    assert max(faults[2:]) <= output_pages, faults
+
+
+@pytest.fixture(scope="module")
+def cache_source(tmp_path_factory):
+    """kiln_workspace.c built with its hidden functions exported."""
+    out = tmp_path_factory.mktemp("workspace") / "cache.so"
+    command = [compiler_driver(), "-O2", "-fPIC", "-pthread", "-shared", "-DHIDDEN="]
+    subprocess.run([*command, str(WORKSPACE_SOURCE), "-o", str(out)], check=True)
+    return out
+
+
+@pytest.fixture
+def caches(cache_source, tmp_path):
+    """Two fresh caches, each a copy of that library loaded with ctypes (not KernelLibrary:
+    the process's shared cache stays out of it), so no test sees another's blocks."""
+    libraries = []
+    for k in range(2):
+        path = tmp_path / f"cache{k}.so"
+        shutil.copyfile(cache_source, path)
+        library = ctypes.CDLL(str(path))
+        for name in ("kiln_workspace_alloc", "kiln_workspace_take"):
+            getattr(library, name).restype = ctypes.c_void_p
+            getattr(library, name).argtypes = [ctypes.c_int64]
+        for name in ("kiln_workspace_free", "kiln_workspace_give"):
+            getattr(library, name).argtypes = [ctypes.c_void_p]
+        library.kiln_workspace_share.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        libraries.append(library)
+    return libraries
+
+
+def drain(cache, sizes):
+    """Take blocks of `sizes` (emptying the cache of what covers them) and free them all."""
+    blocks = [cache.kiln_workspace_alloc(size) for size in sizes]
+    for block in blocks:
+        cache.kiln_workspace_free(block)
+    return blocks
+
+
+def test_a_freed_block_serves_the_next_request_it_covers_the_smallest_first(caches):
+    cache = caches[0]
+    small, large = drain(cache, [300 * KB, 900 * KB])
+    assert cache.kiln_workspace_alloc(250 * KB) == small  # both cover it: the smaller
+    assert cache.kiln_workspace_alloc(250 * KB) == large  # then the one left
+    cache.kiln_workspace_free(small)
+    cache.kiln_workspace_free(large)
+    assert cache.kiln_workspace_alloc(600 * KB) == large  # only the larger covers it
+    cache.kiln_workspace_free(large)
+
+
+def test_blocks_start_on_a_cache_line(caches):
+    cache = caches[0]
+    blocks = [cache.kiln_workspace_alloc(size) for size in (1, 100, 70 * KB, 3 * 1024 * KB)]
+    assert all(block % 64 == 0 for block in blocks)
+    for block in blocks:
+        cache.kiln_workspace_free(block)
+
+
+def test_the_cache_keeps_the_largest_blocks_it_was_given_and_no_more(caches):
+    """Of KEPT_BLOCKS + 1 blocks freed, the smallest is given back to malloc: a request of
+    its size is served by the next smallest kept block."""
+    cache = caches[0]
+    sizes = [(k + 2) * 100 * KB for k in range(KEPT_BLOCKS + 1)]
+    blocks = drain(cache, sizes)
+    assert cache.kiln_workspace_alloc(sizes[0]) == blocks[1]
+    cache.kiln_workspace_free(blocks[1])
+
+
+def test_a_library_pointed_at_another_ones_cache_takes_and_gives_its_blocks_there(caches):
+    host, guest = caches
+    guest.kiln_workspace_share(
+        ctypes.cast(host.kiln_workspace_alloc, ctypes.c_void_p),
+        ctypes.cast(host.kiln_workspace_free, ctypes.c_void_p),
+    )
+    block = guest.kiln_workspace_take(2 * 1024 * KB)
+    guest.kiln_workspace_give(block)
+    assert host.kiln_workspace_alloc(2 * 1024 * KB) == block  # kept by the host's cache
+    host.kiln_workspace_free(block)
