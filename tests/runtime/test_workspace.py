@@ -41,11 +41,11 @@ FAULTS_SCRIPT = """
 import json, resource, sys
 import numpy as np
 from compiler_core.runtime.library import KernelLibrary
-library = KernelLibrary(sys.argv[1])
+libraries = [KernelLibrary(path) for path in sys.argv[1:]]
 x = np.random.default_rng(0).standard_normal((56, 4096)).astype(np.float32)
 expected = None
 faults = []
-for call in range(12):
+for library in [libraries[0]] * 12 + libraries[1:]:
     out = np.zeros_like(x)  # a fresh output per call, as the tuning runner allocates
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     library.call("staged", [x, out])
@@ -56,6 +56,23 @@ print(json.dumps(faults))
 """
 
 
+def page_faults(paths: list) -> list[int]:
+    """Page faults of each call in a fresh process: the first library's kernel 12 times,
+    then each other library's once."""
+    result = subprocess.run(
+        [sys.executable, "-c", FAULTS_SCRIPT, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+OUTPUT_PAGES = ROWS * COLS * 4 // 4096
+WORKSPACE_PAGES = 5 * ROWS * COLS * 4 // 4096
+
+
 def test_a_kernels_workspace_is_not_faulted_in_again_on_every_call(tmp_path):
     """In a fresh process (the tuning runner is one) whose caller allocates between calls,
     blocks freed to malloc went back to the OS after every call: each call faulted its 4.5 MB
@@ -64,19 +81,19 @@ def test_a_kernels_workspace_is_not_faulted_in_again_on_every_call(tmp_path):
     faulted again after the first call but the output's."""
     target = host_target()
     obj = emit_object(build_module([staged_kernel()], target), target)
-    path = link_shared([obj], tmp_path / "staged.so")
-    result = subprocess.run(
-        [sys.executable, "-c", FAULTS_SCRIPT, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    faults = json.loads(result.stdout.splitlines()[-1])
-    output_pages = ROWS * COLS * 4 // 4096
-    workspace_pages = 5 * ROWS * COLS * 4 // 4096
-    assert faults[0] >= workspace_pages // 2  # the first call maps the blocks
-    assert max(faults[2:]) <= output_pages, faults
+    faults = page_faults([link_shared([obj], tmp_path / "staged.so")])
+    assert faults[0] >= WORKSPACE_PAGES // 2  # the first call maps the blocks
+    assert max(faults[2:]) <= OUTPUT_PAGES, faults
+
+
+def test_a_library_loaded_later_takes_its_workspace_from_the_first_ones_cache(tmp_path):
+    """One cache per process (a tuning runner loads hundreds of libraries): the blocks the
+    first library's kernel freed serve the second library's first call."""
+    target = host_target()
+    obj = emit_object(build_module([staged_kernel()], target), target)
+    paths = [link_shared([obj], tmp_path / f"staged{k}.so") for k in range(2)]
+    faults = page_faults(paths)
+    assert faults[-1] <= OUTPUT_PAGES, faults
 
 
 @pytest.fixture(scope="module")
