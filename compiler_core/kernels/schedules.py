@@ -1068,12 +1068,14 @@ def winograd_tile(out_h: int, out_w: int, target: Target) -> int:
     that can take one (`kernels/winograd.py:conv_algorithms`), or 0 for the direct conv.
     F(4x4) takes 4x fewer multiplications than the direct conv, F(2x2) 2.25x; each of their
     alpha^2 GEMMs reads its own transformed filters for one row of tiles, so a small image
-    takes the small tile: measured on Zen 4 (ms, direct / F(2x2) / F(4x4)), 512 channels at
-    7x7 1.16 / 0.74 / 0.93, 256 at 14x14 1.03 / 0.58 / 0.55 (F(2x2) ahead in a whole model),
-    128 at 28x28 1.04 / 0.50 / 0.33. Where the FMAs run at half width (`Target.fma_lanes`
-    4: Zen 1), multiplications cost twice as much against those reads, and F(4x4) takes
-    every image F(2x2) would: on Zen 1, 512 channels at 7x7 2.61 -> 1.94 ms, 256 at 14x14
-    2.00 -> 1.59 (ResNet-18 untuned 0.9x)."""
+    takes the small tile: inside ResNet-18 on Zen 4 (ms, the tuner's in-model check, each
+    algorithm at its default knobs: direct / F(2x2) / F(4x4)), 512 channels at 7x7 1.71 /
+    0.77 / 1.36 (F(4x4)'s 38 MB of transformed filters come from memory), 256 at 14x14 1.20
+    / 0.54 / 0.51. Every machine's tuned ResNet-18 records (Zen 1, 3, 4, 5, two Xeons) run
+    F(4x4) at 14x14 and, but on Zen 1, F(2x2) at 7x7. Where the FMAs run at half width
+    (`Target.fma_lanes` 4: Zen 1), multiplications cost twice as much against those reads,
+    and F(4x4) takes every image F(2x2) would: on Zen 1, 512 channels at 7x7 2.61 -> 1.94
+    ms, 256 at 14x14 2.00 -> 1.59 (ResNet-18 untuned 0.9x)."""
 
     def tiles(m: int) -> int:
         return -(-out_h // m) * -(-out_w // m)
@@ -1089,7 +1091,7 @@ def winograd_tile(out_h: int, out_w: int, target: Target) -> int:
 # Channels on both sides for a Winograd conv: its transforms cost about 1/M (input) and 1/C
 # (output) of its GEMMs.
 WINOGRAD_MIN_CHANNELS = 32
-WINOGRAD_F4_MIN_TILES = 36
+WINOGRAD_F4_MIN_TILES = 16
 WINOGRAD_F2_MIN_TILES = 16
 
 

@@ -64,7 +64,8 @@ def test_algorithm_rules():
     zen3 = dataclasses.replace(host_target(), cpu="znver3", features="+avx2,+fma")
     assert default_algorithm(both, 56, 56, zen3) == "winograd4"
     assert default_algorithm(both, 28, 28, zen3) == "winograd4"
-    assert default_algorithm(both, 14, 14, zen3) == "winograd2"
+    assert default_algorithm(both, 14, 14, zen3) == "winograd4"
+    assert default_algorithm(both, 12, 12, zen3) == "winograd2"
     assert default_algorithm(both, 7, 7, zen3) == "winograd2"
     assert default_algorithm(both, 5, 5, zen3) == "direct"
     assert default_algorithm(("direct",), 56, 56, zen3) == "direct"
@@ -76,7 +77,7 @@ def test_where_fmas_run_at_half_width_small_images_take_the_larger_winograd_tile
     both = ("direct", "winograd2", "winograd4")
     zen1 = dataclasses.replace(host_target(), cpu="znver1", features="+avx2,+fma")
     assert zen1.fma_lanes == 4
-    assert default_algorithm(both, 14, 14, zen1) == "winograd4"
+    assert default_algorithm(both, 12, 12, zen1) == "winograd4"
     assert default_algorithm(both, 7, 7, zen1) == "winograd4"
     assert default_algorithm(both, 5, 5, zen1) == "direct"
 
@@ -185,12 +186,12 @@ def frames_chain(c, m, frames, size, batch=1, depth_pads=(0, 0)):
 
 @pytest.mark.parametrize(
     ("size", "batch", "algorithm"),
-    [(24, 1, "winograd4"), (8, 2, "winograd2"), (13, 1, "winograd2")],
+    [(24, 1, "winograd4"), (8, 2, "winograd2"), (13, 1, "winograd4"), (11, 1, "winograd2")],
 )
 def test_a_conv_of_frames_runs_as_winograd_over_its_frames(size, batch, algorithm):
     """A (1, 3, 3) conv of 3-D data is a 2-D conv of each frame: its Winograd stages take the
     frames as a batch (frame d of image n at n * D + d) and write NCDHW[b]c; it matches ORT
-    (partial tiles on 13 x 13, two images of three frames on 8 x 8)."""
+    (partial tiles on 13 x 13 and 11 x 11, two images of three frames on 8 x 8)."""
     model = frames_chain(32, 48, 3, size, batch)
     graph = optimize(import_model(model), target=host_target())
     spatial = next(n for n in graph.nodes if n.name.startswith("spatial"))
