@@ -1068,10 +1068,11 @@ def winograd_tile(out_h: int, out_w: int, target: Target) -> int:
     that can take one (`kernels/winograd.py:conv_algorithms`), or 0 for the direct conv.
     F(4x4) takes 4x fewer multiplications than the direct conv, F(2x2) 2.25x; each of their
     alpha^2 GEMMs reads its own transformed filters for one row of tiles, so a small image
-    takes the small tile: inside ResNet-18 on Zen 4 (ms, the tuner's in-model check, each
-    algorithm at its default knobs: direct / F(2x2) / F(4x4)), 512 channels at 7x7 1.71 /
-    0.77 / 1.36 (F(4x4)'s 38 MB of transformed filters come from memory), 256 at 14x14 1.20
-    / 0.54 / 0.51. Every machine's tuned ResNet-18 records (Zen 1, 3, 4, 5, two Xeons) run
+    takes the small tile: inside ResNet-18 on Zen 4 (the tuner's in-model check), 256
+    channels at 14x14 ran 0.54 ms at F(2x2)'s default knobs and 0.51 at F(4x4)'s, 512 at
+    7x7 0.77 at F(2x2)'s and 1.36 at F(4x4)'s fastest config alone (its 38 MB of transformed
+    filters come from memory; the fastest direct configs 1.20 and 1.71 ms). Every machine's
+    tuned ResNet-18 records (Zen 1, 3, 4, 5, two Xeons) run
     F(4x4) at 14x14 and, but on Zen 1, F(2x2) at 7x7. Where the FMAs run at half width
     (`Target.fma_lanes` 4: Zen 1), multiplications cost twice as much against those reads,
     and F(4x4) takes every image F(2x2) would: on Zen 1, 512 channels at 7x7 2.61 -> 1.94
