@@ -290,12 +290,12 @@ class Tuner:
         """The other algorithms' own defaults (each variant's template rules), unmeasured:
         a task's first batch measures them beside the default. The untuned algorithm is the
         rules' guess, and another's default can beat it by more than any knob of its own:
-        ResNet-18's 256-channel 14x14 3x3 conv on Zen 4 runs Winograd F(2x2) by default at
-        0.78 of its space's best, F(4x4) at its defaults 0.96 (every config within 5% of the
-        best is an F(4x4) one), and F(4x4)'s tile knob takes values F(2x2)'s default lacks,
-        so no neighbour of the default reaches it."""
+        under the rule before F(4x4) took 14x14 outputs, ResNet-18's 256-channel 14x14 3x3
+        conv ran Winograd F(2x2) by default at 0.49 of its space's best and F(4x4) at its
+        defaults at 0.94 (Zen 4, bench.search's tables), and F(4x4)'s tile knob takes values
+        F(2x2)'s default lacks, so no neighbour of the default reaches it."""
         task = state.task
-        others = [a for a in task.algorithms if a != task.default_config().get(ALGORITHM)]
+        others = [a for a in task.algorithms if a != task.default_algorithm]
         configs = [task.algorithm_default(algorithm) for algorithm in others]
         return [c for c in configs if config_key(c) not in state.visited]
 
