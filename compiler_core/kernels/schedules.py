@@ -743,7 +743,16 @@ def matmul_schedule(
             tiles.append((nest.column_tiles, nest.column_tile_count))
         if config["order"] == "ji":
             tiles = tiles[::-1]
-        records += _gemm_tile(mm, nest, row_tile, [name for name, _ in tiles], target)
+        blocks: list[Record] = []
+        if config.get("row_block"):  # fits: `ji`, one nest of whole column tiles
+            block = Split(row_tile.outer, _row_block_tiles(config))
+            blocks.append(block)
+            tiles = [
+                (block.outer, -(-row_tiles // block.factor)),
+                tiles[0],
+                (block.inner, block.factor),
+            ]
+        records += _gemm_tile(mm, nest, row_tile, [name for name, _ in tiles], target, blocks)
         if pack_a and config["pack_a_at"] == "tile":  # one nest, its row tiles outermost
             records += _pack_a_at(pack_a, row_tile.outer)
         parallel.append(tiles)
@@ -791,13 +800,19 @@ def _pack_at(pack: str, batch_rank: int, loop: str) -> list[Record]:
 
 
 def _gemm_tile(
-    mm: StageInfo, nest: _GemmNest, row_tile: Split, tiles: list[str], target: Target
+    mm: StageInfo,
+    nest: _GemmNest,
+    row_tile: Split,
+    tiles: list[str],
+    target: Target,
+    blocks: Sequence[Record] = (),
 ) -> list[Record]:
     """One nest's register tile: mr rows (`row_tile`, the split of the nest's rows) x
     `nest.width` columns of accumulators over the whole reduction, vectorized along the
-    columns, its rows and vectors unrolled."""
+    columns, its rows and vectors unrolled; `blocks`, the split of the row-tile loop into
+    row blocks, if any (`tiles` names the tile loops outermost first)."""
     lanes = target.vector_lanes
-    records: list[Record] = [row_tile]
+    records: list[Record] = [row_tile, *blocks]
     inner_j = [nest.columns]
     if nest.width > lanes and nest.width % lanes == 0:
         vectors = Split(nest.columns, lanes)
@@ -877,11 +892,42 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
     )
     if not mm.note("pack_a"):
         return knobs
+    blocks = _row_block_choices(mm, target)
+    if blocks:
+        knobs += (Knob("row_block", (0, *blocks), 0, absent=0),)
     # Where A's panels are packed: a tile at a time in the row-tile loop (when the row tiles
     # are the outer loop of the one nest: A read once, each tile's panel in L1 for all the
     # column tiles), or all of A by a parallel pass before the GEMM.
     at_tile = default_order == "ij" and not gemm_column_tail(cols, default_nr, target.vector_lanes)
     return (*knobs, Knob("pack_a_at", ("tile", "root"), "tile" if at_tile else "root"))
+
+
+def _row_block_choices(mm: StageInfo, target: Target) -> tuple[int, ...]:
+    """Rows per block of a packed-A GEMM's `row_block` knob: where A outgrows the L2
+    (GEMM_L2_BYTES), the `ji` order re-reads all of A from L3 for every column tile (64 of
+    them at 2048^3), and `ij` all of B for every row tile. Cut into blocks of rows, with the
+    column tiles inside each block and the block's row tiles inside them, the block's panels
+    of A stay in L2 for all the column tiles and B is read from L3 once per block. 2048^3 on
+    a Cascade Lake Xeon (2 threads, 4 rounds alternated, twice): 128-row blocks 219 / 212
+    GFLOP/s at best, medians 134 / 146, against 179 / 144 and 119 / 135 unblocked; at 1024^3
+    no gain (A is 4 MB), nor for the direct GEMM, whose rows lie a row's stride apart (so it
+    is not offered there). The blocks offered hold at most twice GEMM_L2_BYTES of A (rows x K
+    x 4), and only for one nest of whole column tiles outside any batch loop."""
+    rows, folded = _gemm_rows(mm)
+    ((_, depth),) = mm.reduce_axes
+    batch = len(mm.shape) > 2 and not folded
+    tail = gemm_column_tail(mm.shape[-1], 2 * target.vector_lanes, target.vector_lanes)
+    if batch or tail or rows * depth * 4 <= GEMM_L2_BYTES:
+        return ()
+    return tuple(m for m in ROW_BLOCKS if m < rows and m * depth * 4 <= 2 * GEMM_L2_BYTES)
+
+
+ROW_BLOCKS = (32, 64, 128, 256)
+
+
+def _row_block_tiles(config: Mapping[str, object]) -> int:
+    """Row tiles per block: the block's rows over mr, at least one."""
+    return max(int(config["row_block"]) // int(config["mr"]), 1)
 
 
 def _default_gemm_order(mm: StageInfo, mr: int, nr: int) -> str:
@@ -909,6 +955,12 @@ def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) ->
     packed in the row-tile loop only when the row tiles are the one nest's outer loop (not
     fused with the column tiles)."""
     vectors = -(-int(config["nr"]) // target.vector_lanes)
+    if config.get("row_block"):
+        tail = gemm_column_tail(mm.shape[-1], int(config["nr"]), target.vector_lanes)
+        if config["order"] != "ji" or config.get("pack_a_at") == "tile" or tail:
+            return False
+        if _row_block_tiles(config) >= -(-_gemm_rows(mm)[0] // int(config["mr"])):
+            return False  # one block: the unblocked nest
     if config.get("pack_a_at") == "tile":
         tail = gemm_column_tail(mm.shape[-1], int(config["nr"]), target.vector_lanes)
         if config["order"] != "ij" or config["parallel"] == "fused" or tail:
