@@ -1,12 +1,14 @@
 """Search efficiency of the tuner, and the ranking quality of its cost model, offline.
 
-    .venv/bin/python -m bench.search --measure     # ground truth, once per machine (~15 min)
+    .venv/bin/python -m bench.search --measure     # ground truth, once per machine (~20-30 min)
     .venv/bin/python -m bench.search [--seeds 5]   # replay the searches over it (~5 min)
 
 Ground truth: every config of each workload's schedule space measured once by the tuner's
 own Measurer (isolated runner, repeats, medians), kept as one tuning log per workload under
-`--tables` (default build/search; interrupted runs resume). The spaces hold 80-600 points,
-so "1000 random trials" is the whole space here.
+`--tables` (default build/search; interrupted runs resume), then each table's default and
+three fastest timed again (`retime_tables`): on a noisy Cascade Lake host the first readings
+put the defaults at 24-87% of the best and the replay at 0.42, re-timed 38-99% and 0.09. The
+spaces hold 96-1188 points, so "1000 random trials" is (about) the whole space here.
 
 Replay: a search's trials are looked up in that table instead of run (`ReplayMeasurer`), so
 both searches see the same costs and only their choices differ:
@@ -402,6 +404,7 @@ def main() -> None:
     tasks = workload_tasks()
     if args.measure:
         measure_tables(tasks, args.tables)
+        retime_tables(tasks, args.tables)
         return
     report = evaluate(tasks, args.tables, args.seeds, args.goal)
     print_report(report)
