@@ -10,7 +10,7 @@ import pytest
 from compiler_core.autotune.tasks import ALGORITHM, config_of_knobs, extract_tasks
 from compiler_core.frontend.onnx import import_model
 from compiler_core.kernels.nn import PACKED_A
-from compiler_core.kernels.schedules import GEMM_L2_BYTES, Split
+from compiler_core.kernels.schedules import GEMM_L2_BYTES, Reorder, Split
 from compiler_core.passes.pipeline import optimize
 from tests.conftest import measurement_errors
 from tests.kernels.test_matmul_family import matmul_model as batched_model
@@ -62,10 +62,14 @@ def test_the_blocked_nest_splits_the_row_tiles_outside_the_column_tiles():
     task = dense_task(gemm_model(200, 700, 64))
     config = {**task.algorithm_default(PACKED_A), "order": "ji", "pack_a_at": "root"}
     config["row_block"] = 64
-    splits = [r for r in task.records(config) if isinstance(r, Split)]
+    records = task.records(config)
+    splits = [r for r in records if isinstance(r, Split)]
     (row_tile,) = [s for s in splits if s.factor == config["mr"]]
     (block,) = [s for s in splits if s.loop == row_tile.outer]
+    (columns,) = [s for s in splits if s.factor == config["nr"]]
     assert block.factor == max(64 // config["mr"], 1)
+    (order,) = [r.loops for r in records if isinstance(r, Reorder)]
+    assert order[:3] == (block.outer, columns.outer, block.inner)
 
 
 @pytest.mark.parametrize("model", [gemm_model(200, 700, 64), matmul_model(100, 700, 64, (2,))])
