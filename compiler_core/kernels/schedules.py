@@ -953,18 +953,18 @@ GEMM_L2_BYTES = 512 * 1024
 def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) -> bool:
     """mr x nr accumulators plus a row of B must fit the vector registers; A's panels are
     packed in the row-tile loop only when the row tiles are the one nest's outer loop (not
-    fused with the column tiles)."""
+    fused with the column tiles); row blocks only in the `ji` order of one nest, and more
+    than one of them."""
     vectors = -(-int(config["nr"]) // target.vector_lanes)
-    if config.get("row_block"):
-        tail = gemm_column_tail(mm.shape[-1], int(config["nr"]), target.vector_lanes)
-        if config["order"] != "ji" or config.get("pack_a_at") == "tile" or tail:
-            return False
-        if _row_block_tiles(config) >= -(-_gemm_rows(mm)[0] // int(config["mr"])):
-            return False  # one block: the unblocked nest
-    if config.get("pack_a_at") == "tile":
-        tail = gemm_column_tail(mm.shape[-1], int(config["nr"]), target.vector_lanes)
-        if config["order"] != "ij" or config["parallel"] == "fused" or tail:
-            return False
+    tail = gemm_column_tail(mm.shape[-1], int(config["nr"]), target.vector_lanes)
+    row_tiles = -(-_gemm_rows(mm)[0] // int(config["mr"]))
+    one_block = config.get("row_block") and _row_block_tiles(config) >= row_tiles
+    if config.get("row_block") and (config["order"] != "ji" or tail or one_block):
+        return False
+    if config.get("pack_a_at") == "tile" and (
+        config["order"] != "ij" or config["parallel"] == "fused" or tail
+    ):
+        return False
     return int(config["mr"]) * vectors + vectors <= target.vector_registers
 
 
@@ -1124,11 +1124,11 @@ def winograd_tile(out_h: int, out_w: int, target: Target) -> int:
     channels at 14x14 ran 0.54 ms at F(2x2)'s default knobs and 0.51 at F(4x4)'s, 512 at
     7x7 0.77 at F(2x2)'s and 1.36 at F(4x4)'s fastest config alone (its 38 MB of transformed
     filters come from memory; the fastest direct configs 1.20 and 1.71 ms). Every machine's
-    tuned ResNet-18 records (Zen 1, 3, 4, 5, two Xeons) run
-    F(4x4) at 14x14 and, but on Zen 1, F(2x2) at 7x7. Where the FMAs run at half width
-    (`Target.fma_lanes` 4: Zen 1), multiplications cost twice as much against those reads,
-    and F(4x4) takes every image F(2x2) would: on Zen 1, 512 channels at 7x7 2.61 -> 1.94
-    ms, 256 at 14x14 2.00 -> 1.59 (ResNet-18 untuned 0.9x)."""
+    tuned ResNet-18 records (Zen 1, 3, 4, 5, two Xeons) run F(4x4) at 14x14 and, but on Zen
+    1, F(2x2) at 7x7. Where the FMAs run at half width (`Target.fma_lanes` 4: Zen 1),
+    multiplications cost twice as much against those reads, and F(4x4) takes every image
+    F(2x2) would: on Zen 1, 512 channels at 7x7 2.61 -> 1.94 ms, 256 at 14x14 2.00 -> 1.59
+    (ResNet-18 untuned 0.9x)."""
 
     def tiles(m: int) -> int:
         return -(-out_h // m) * -(-out_w // m)
