@@ -275,29 +275,44 @@ class Tuner:
         """A task's first batch: the default and the top picks of an informed model
         (`_informed`); half a batch once the model is trained at all (its top picks, the
         default, proven configs and one at random); a whole batch before; each with the
-        other algorithms' defaults on top. A model of many tasks is covered sooner, and the
-        next batches go where the gains are."""
+        first points (`_first_points`) on top. A model of many tasks is covered sooner, and
+        the next batches go where the gains are."""
         if state.trials:
             return self.batch
-        others = len(self._algorithm_defaults(state))
+        others = len(self._first_points(state))
         if self._informed(state):
             return 1 + INFORMED_PICKS + others
         if self.model.trained:
             return max(self.batch // 2, 2) + others
         return self.batch + others
 
-    def _algorithm_defaults(self, state: TaskState) -> list[dict]:
-        """The other algorithms' own defaults (each variant's template rules), unmeasured:
-        a task's first batch measures them beside the default. The untuned algorithm is the
-        rules' guess, and another's default can beat it by more than any knob of its own:
-        under the rule before F(4x4) took 14x14 outputs, ResNet-18's 256-channel 14x14 3x3
-        conv ran Winograd F(2x2) by default at 0.49 of its space's best and F(4x4) at its
-        defaults at 0.94 (Zen 4, bench.search's tables), and F(4x4)'s tile knob takes values
-        F(2x2)'s default lacks, so no neighbour of the default reaches it."""
+    def _first_points(self, state: TaskState) -> list[dict]:
+        """What a task's first batch measures beside its default, unmeasured so far: the
+        other algorithms' own defaults (each variant's template rules), and for each
+        algorithm, every other value of its template's pivots (`Template.pivots`) at the
+        config nearest its default (`_pivoted`).
+
+        The untuned algorithm is the rules' guess, and another's default can beat it by more
+        than any knob of its own: under the rule before F(4x4) took 14x14 outputs, ResNet-18's
+        256-channel 14x14 3x3 conv ran Winograd F(2x2) by default at 0.49 of its space's best
+        and F(4x4) at its defaults at 0.94 (Zen 4, bench.search's tables), and F(4x4)'s tile
+        knob takes values F(2x2)'s default lacks, so no neighbour of the default reaches it.
+        Likewise a pivot: GEMM 1024^3's first 48 trials on a Cascade Lake Xeon never measured
+        packed A in the `ji` order (its default is `ij`, packed a tile at a time; `ji` packs
+        at the root, two knobs away), which ran at 182 GFLOP/s against the 127 found."""
         task = state.task
-        others = [a for a in task.algorithms if a != task.default_algorithm]
-        configs = [task.algorithm_default(algorithm) for algorithm in others]
-        return [c for c in configs if config_key(c) not in state.visited]
+        default = task.default_config()
+        if task.algorithms:
+            defaults = [task.algorithm_default(a) for a in task.algorithms]
+            pivots = {a: v.tunable.template.pivots for a, v in task.variants.items()}
+        else:
+            defaults, pivots = [default], {None: task.tunable.template.pivots}
+        points = [d for d in defaults if d != default]
+        for point in defaults:
+            for knob in pivots[point.get(ALGORITHM)]:
+                points += _pivoted(point, state.space, knob)
+        unique = {config_key(c): c for c in points if config_key(c) not in state.visited}
+        return list(unique.values())
 
     def _informed(self, state: TaskState) -> bool:
         """Whether the cost model was fit on INFORMED_WORKLOADS workloads of the task's
@@ -337,17 +352,17 @@ class Tuner:
 
     def _choose(self, state: TaskState, count: int) -> list[dict]:
         """The next batch: the configs the model ranks fastest among the candidates (when it
-        is trained), the default point while it is unmeasured, in a task's first batch the
-        other algorithms' defaults (`_algorithm_defaults`) and the configs proven on other
-        workloads of its template (`_proven`), and an epsilon share
-        at random (before the model has anything to learn from, the rest of the batch: the
+        is trained), the default point while it is unmeasured, in a task's first batch its
+        first points (`_first_points`: other algorithms' defaults, the pivots' other values)
+        and the configs proven on other workloads of its template (`_proven`), and an epsilon
+        share at random (before the model has anything to learn from, the rest of the batch: the
         default's neighbours, then the rest of the space). An informed model (`_informed`)
         picks all of a task's first batch but the default, from the whole space."""
         default = state.task.default_config()
         default_due = config_key(default) not in state.visited
         rest = [c for c in state.unvisited() if c != default]
         informed = state.trials == 0 and self._informed(state)
-        firsts = [] if state.trials else self._algorithm_defaults(state)[:count]
+        firsts = [] if state.trials else self._first_points(state)[:count]
         first_keys = {config_key(c) for c in firsts}
         rest = [c for c in rest if config_key(c) not in first_keys]
         proven = []
@@ -634,9 +649,28 @@ def _distance(a: dict, b: dict) -> float:
     )
 
 
+def _pivoted(point: dict, space: Sequence[dict], knob: str) -> list[dict]:
+    """For each value of `knob` other than `point`'s: the config of `space` (of `point`'s
+    algorithm) with that value that differs from `point` in the fewest knobs, the first in
+    the space's order among ties (another knob may have to follow the pivot to fit)."""
+    if knob not in point:
+        return []
+    algorithm = point.get(ALGORITHM)
+    same = [c for c in space if c.keys() == point.keys() and c.get(ALGORITHM) == algorithm]
+    values = list(dict.fromkeys(c[knob] for c in same if c[knob] != point[knob]))
+    return [
+        min((c for c in same if c[knob] == value), key=lambda c: _knobs_apart(c, point))
+        for value in values
+    ]
+
+
+def _knobs_apart(a: dict, b: dict) -> int:
+    return sum(a[k] != b[k] for k in a)
+
+
 def _one_knob_apart(a: dict, b: dict) -> bool:
     """Configs of the same knobs (the same algorithm) that differ in exactly one."""
-    return a.keys() == b.keys() and sum(a[k] != b[k] for k in a) == 1
+    return a.keys() == b.keys() and _knobs_apart(a, b) == 1
 
 
 def config_features(task: Task, config: dict) -> np.ndarray:

@@ -1574,12 +1574,18 @@ class Template:
     knobs: Callable[[StageInfo, Target], tuple[Knob, ...]]
     schedule: Callable[[StageInfo, StageInfo | None, Config, Target], list[Record]]
     fits: Callable[[StageInfo, Config, Target], bool] = lambda _anchor, _config, _target: True
+    # Knobs that reshape the whole nest, so that a task's first batch measures each of their
+    # values near each algorithm's default (see `Tuner._first_points`).
+    pivots: tuple[str, ...] = ()
 
 
 TEMPLATES: dict[str, Template] = {
     # v3: the algorithm knob (direct / Winograd), no inert knobs for convs without taps.
     "conv2d_nchwc": Template("conv2d_nchwc", 3, _nchwc_knobs, nchwc_conv_schedule, _nchwc_fits),
-    "dense": Template("dense", 2, _matmul_knobs, matmul_schedule, _matmul_fits),
+    # The loop order decides which operand streams from L2/L3: a GEMM's best order is often not
+    # its default's, and no cheap neighbour of the default reaches the other (packed A's `ji`
+    # also moves its packing to the root).
+    "dense": Template("dense", 2, _matmul_knobs, matmul_schedule, _matmul_fits, ("order",)),
     "row_reduction": Template("row_reduction", 1, _row_knobs, row_schedule),
     # v2: the blocks knob (channel blocks per tile), expand tiles of fewer than 4 pixels.
     "conv2d_nchwc_chain": Template(

@@ -623,7 +623,38 @@ def test_a_first_batch_measures_each_other_algorithms_default(tmp_path, target, 
     assert first[:3] == [default, *others] and len(first) == tuner.batch + 2
     tuner.run(trials=len(first))
     assert state.trials == len(first)
-    assert tuner._algorithm_defaults(state) == [] and tuner._batch_for(state) == tuner.batch
+    assert tuner._first_points(state) == [] and tuner._batch_for(state) == tuner.batch
+
+
+def test_a_first_batch_measures_each_loop_order_near_each_algorithms_default(
+    tmp_path, target, measurer
+):
+    """The dense template's loop order is a pivot: a GEMM task's first batch measures, for
+    each algorithm, the other order at the config nearest that algorithm's default. Packed
+    A's default packs a tile at a time in the `ij` order, which `ji` does not allow: its `ji`
+    point packs at the root and changes nothing else."""
+    from tests.kernels.test_packed_a import gemm_model
+
+    (task,) = [t for t in tasks_of(gemm_model(96, 256, 64)) if t.template == "dense"]
+    assert "packed_a" in task.algorithms
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer, seed=1)
+    (state,) = tuner.states
+    points = tuner._first_points(state)
+    assert all(p in state.space for p in points) and task.default_config() not in points
+    for algorithm in task.algorithms:
+        own = task.algorithm_default(algorithm)
+        (flipped,) = [p for p in points if p[ALGORITHM] == algorithm and p != own]
+        assert flipped["order"] != own["order"]
+        changed = {k for k in own if own[k] != flipped[k]}
+        expected = {"order", "pack_a_at"} if own.get("pack_a_at") == "tile" else {"order"}
+        assert changed == expected, (algorithm, own, flipped)
+    assert len(points) == 2 * len(task.algorithms) - 1  # the default itself is not a point
+    assert tuner._batch_for(state) == tuner.batch + len(points)
+    first = tuner._choose(state, tuner._batch_for(state))
+    assert first[0] == task.default_config() and first[1 : 1 + len(points)] == points
+    results = measurer.measure(task, points)
+    assert [r.error for r in results] == ["ok"] * len(points), results
 
 
 @pytest.mark.parametrize("algorithm", ["direct", "winograd4"])
