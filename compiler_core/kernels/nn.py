@@ -551,9 +551,10 @@ class Pack:
 
 
 def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale: float = 1.0):
-    """B of a GEMM as (read(batch, kk, j), panel width, Pack or None): a constant 2-D B is
-    packed at build time, any other B by a stage of the kernel (`materialize` keeps it a stage
-    of its own; the dense template inlines it with `pack=0`)."""
+    """B of a GEMM as (read(batch, kk, j), panel width, Pack or None, the packed weights'
+    parameter or None): a constant 2-D B is packed at build time, any other B by a stage of
+    the kernel (`materialize` keeps it a stage of its own; the dense template inlines it with
+    `pack=0`)."""
     if ctx.is_constant(value) and ctx.type(value).rank >= 2:
         panels, width = _panel_weights(ctx, value, transpose, scale)
         stacked = ctx.type(value).rank > 2
@@ -561,7 +562,7 @@ def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale:
         def read(batch, kk, j):
             return _panel_read(panels, width, kk, j, batch if stacked else ())
 
-        return read, width, None
+        return read, width, None, panels.name
     b = ctx.tensor(value)
     panels, width = _runtime_panels(ctx, node, b, transpose)
     ctx.note(panels.name, materialize=True)
@@ -570,7 +571,7 @@ def _dense_b(ctx: KernelContext, node: Node, value: str, transpose: bool, scale:
     # a tail tile covers the last ones): packing is then not the default.
     unit_stride = b.is_placeholder and not transpose and b.shape[-1] >= width
     pack = Pack(panels.name, default=not unit_stride)
-    return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, pack
+    return (lambda batch, kk, j: _panel_read(panels, width, kk, j, batch)), width, pack, None
 
 
 def _tiled_shape(
@@ -616,16 +617,20 @@ def _dense_stage(
     dtype: str | None = None,
     a_row_bytes: int = 0,
     mr: int = 0,
+    weights: str | None = None,
 ) -> Tensor:
     """The GEMM stage, with the facts its template needs: the panel width, the row tile its
     rows are padded for (`mr`, when the caller chose it), the real output shape (what the
-    epilogue crops) and the packing."""
+    epilogue crops), the packing, and B's packed constant panels' parameter (`weights`,
+    which the template may prefetch a column tile ahead)."""
     dtype = dtype or ctx.type(node.outputs[0]).dtype
     product = compute(shape, body, ctx.stage_name(node), dtype)
     mr = mr or gemm_row_tile(out_shape[-2], ctx.target, _panel_vectors(width, ctx), a_row_bytes)
     ctx.note(product.name, panel=width, mr=mr, real_shape=tuple(out_shape))
     if pack is not None:
         ctx.note(product.name, pack=pack.stage, pack_default=pack.default)
+    if weights is not None:
+        ctx.note(product.name, weights=weights)
     return product
 
 
@@ -641,7 +646,10 @@ def constant_product(
     def body(i, j):
         return reduce_sum(a_at(_row(i, rows, shape[0]), kk) * _panel_read(panels, width, kk, j), kk)
 
-    return _dense_stage(ctx, node, shape, body, (rows, columns), width, None, panels.dtype)
+    real = (rows, columns)
+    return _dense_stage(
+        ctx, node, shape, body, real, width, None, panels.dtype, weights=panels.name
+    )
 
 
 def _packed_a_product(
@@ -656,7 +664,7 @@ def _packed_a_product(
     template's to place (`pack_a_at`): inside the row-tile loop, or before the GEMM. Its rows
     past the real ones repeat the last; their products are cropped. Returns the [padded
     rows, N] product, noted as the GEMM stage."""
-    b_at, width, _ = _dense_b(ctx, node, b_value, transpose, scale)
+    b_at, width, _, weights = _dense_b(ctx, node, b_value, transpose, scale)
     mr = packed_row_tile(rows, ctx.target, _panel_vectors(width, ctx))
     tiles = -(-rows // mr)
 
@@ -674,7 +682,8 @@ def _packed_a_product(
         tile, row = Binary("floordiv", i, Const(mr, INDEX)), Binary("mod", i, Const(mr, INDEX))
         return reduce_sum(packed[tile, kk, row] * b_at((), kk, j), kk)
 
-    product = _dense_stage(ctx, node, shape, body, (rows, columns), width, None, dtype, mr=mr)
+    real = (rows, columns)
+    product = _dense_stage(ctx, node, shape, body, real, width, None, dtype, mr=mr, weights=weights)
     ctx.note(product.name, pack_a=packed.name)
     notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
     ctx.note(product.name, **notes, algorithm=PACKED_A)
@@ -724,7 +733,7 @@ def _matmul(ctx: KernelContext, node: Node):
         )  # fmt: skip
         return [_unfolded(ctx, node, product, out.shape)]
     kk = reduce_axis(a_type.shape[-1], "rk")
-    b_at, width, pack = _dense_b(ctx, node, node.inputs[1], transpose=False)
+    b_at, width, pack, weights = _dense_b(ctx, node, node.inputs[1], transpose=False)
     b_batch = b_type.shape[:-2]
     batch_shape, rows = out_shape[:-2], out_shape[-2]
     shape = _tiled_shape(ctx, out_shape, width, a_row_bytes, pack)
@@ -737,7 +746,9 @@ def _matmul(ctx: KernelContext, node: Node):
         a_index = (*broadcast_index(a.shape[:-2], batch_shape, batch), _row(i, rows, shape[-2]))
         return reduce_sum(a[(*a_index, kk)] * b_read, kk)
 
-    product = _dense_stage(ctx, node, shape, body, out_shape, width, pack, a_row_bytes=a_row_bytes)
+    product = _dense_stage(
+        ctx, node, shape, body, out_shape, width, pack, a_row_bytes=a_row_bytes, weights=weights
+    )
     _note_algorithms(ctx, product, algorithms)
     if a_vector:  # drop the unit row (and any padded columns)
         return [
@@ -922,7 +933,9 @@ def _strassen(ctx, node, a_at, transpose, scale: float, bias_at, algorithms) -> 
         a_read = sums[(p, _row(i, half_rows, shape[-2]), kk)]
         return reduce_sum(a_read * _panel_read(packed, width, kk, j, (p,)), kk)
 
-    product = _dense_stage(ctx, node, shape, body, real, width, None, dtype, row_bytes)
+    product = _dense_stage(
+        ctx, node, shape, body, real, width, None, dtype, row_bytes, weights=packed.name
+    )
     notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
     ctx.note(product.name, **notes, algorithm=STRASSEN)
     return [output_sums(ctx, node, product, out.shape, bias_at, dtype)]
@@ -985,7 +998,7 @@ def _direct_gemm(
     out = ctx.type(node.outputs[0])
     b_value, trans_b, trans_a = node.inputs[1], node.attr("transB", 0), node.attr("transA", 0)
     kk = reduce_axis(depth, "rk")
-    b_at, width, pack = _dense_b(ctx, node, b_value, transpose=bool(trans_b), scale=alpha)
+    b_at, width, pack, weights = _dense_b(ctx, node, b_value, bool(trans_b), alpha)
     if pack is None:  # alpha is folded into the constant panels
         alpha = 1.0
     rows = out.shape[0]
@@ -996,7 +1009,9 @@ def _direct_gemm(
         a_at = a[(kk, row) if trans_a else (row, kk)]
         return reduce_sum(a_at * b_at((), kk, j), kk)
 
-    product = _dense_stage(ctx, node, shape, body, out.shape, width, pack, a_row_bytes=a_row_bytes)
+    product = _dense_stage(
+        ctx, node, shape, body, out.shape, width, pack, a_row_bytes=a_row_bytes, weights=weights
+    )
     _note_algorithms(ctx, product, algorithms)
     return product, alpha
 
