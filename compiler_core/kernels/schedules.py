@@ -793,7 +793,7 @@ def _panel_prefetch(mm: StageInfo, nest: _GemmNest, tiles: list[tuple[str, int]]
     GEMM 1024^3 with its 128 row tiles ran 12-15% slower so, and with 16 lines at the top of
     each row tile no slower than without."""
     ((_, depth),) = mm.reduce_axes
-    lines = depth * nest.width * 4 // CACHE_LINE_BYTES
+    lines = depth * nest.width * 4 // CACHE_LINE_BYTES  # float32: the count only places them
     names = [name for name, _ in tiles]
     inside = [*tiles[names.index(nest.column_tiles) + 1 :], (nest.reduction, depth)]
     steps = itertools.accumulate(extent for _, extent in inside)
@@ -923,7 +923,10 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
         Knob("parallel", ("outer", "fused"), default_parallel),
         Knob("pack", packs, packs[0]),
     )
-    if mm.note("weights") and cols > default_nr and 2 * rows >= GEMM_PREFETCH_MIN_INTENSITY * 4:
+    # B's next panel prefetched (see GEMM_PREFETCH_MIN_INTENSITY): a B of constant panels,
+    # two whole panel-wide tiles at least, and FLOPs per byte of B (float32) to hide it behind.
+    whole_tiles = cols // default_nr if default_nr == mm.note("panel") else 0
+    if mm.note("weights") and whole_tiles >= 2 and 2 * rows / 4 >= GEMM_PREFETCH_MIN_INTENSITY:
         knobs += (Knob("prefetch", (0, 1), 1, absent=0),)
     if not mm.note("pack_a"):
         return knobs

@@ -38,6 +38,8 @@ def test_prefetch_is_offered_to_compute_bound_gemms_by_constant_weights():
     # 16 rows: 8 FLOPs a byte of B, which streams at the memory's pace (a GEMV's case).
     assert prefetch_knob(dense_task(gemm_model(16, 256, 128))) is None
     assert prefetch_knob(dense_task(gemm_model(64, 256, 32))) is None  # one column tile
+    assert prefetch_knob(dense_task(gemm_model(64, 256, 40))) is None  # one, and a tail
+    assert prefetch_knob(dense_task(gemm_model(64, 256, 72))) is not None  # two, and a tail
     model, _ = activations_model([64, 256], [256, 128])  # B an activation: no constant
     assert prefetch_knob(dense_task(model)) is None
 
