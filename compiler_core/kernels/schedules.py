@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from compiler_core.kernels.weight_prefetch import MIN_INTENSITY
 from compiler_core.loop.ir import Block, Expr, For, ForKind, IfThenElse, Load, PrimFunc, Store
 from compiler_core.loop.transform import (
     find_loop,
@@ -875,14 +876,21 @@ def gemm_column_tail(columns: int, nr: int, lanes: int) -> int:
     return min(-(-left // step) * step, nr, columns)
 
 
-# A GEMM by constant weights prefetches its next column tile's panels of B (the `prefetch`
-# knob, on by default) where it does at least this many FLOPs per byte of B (2 x rows per
-# float: 32 rows and more): inside a model B comes from L3 or memory, and the tile's FMAs
-# hide the fetch. A GEMV streams B at the memory's pace with nothing to hide it behind, and
-# the prefetches only compete with its loads (mlp's 1024 x 1024 layer at batch 1 alone,
-# median 36 -> 30 GFLOP/s); at batch 64, the model in the acceptance check's blocks
-# 1.120 -> 1.040 ms, and alone level or faster (Emerald Rapids Xeon, 2 threads).
-GEMM_PREFETCH_MIN_INTENSITY = 16
+def _prefetches_panels(mm: StageInfo) -> bool:
+    """Whether a GEMM is offered the `prefetch` knob (on by default): its next column tile's
+    panel of B brought in while this tile computes. Its B must be constant panels (`weights`),
+    with two panel-wide tiles at least (fits: tiles of one whole panel), and it must be
+    compute-bound, MIN_INTENSITY FLOPs per byte of B (float32, 2 x rows a value: 32 rows
+    and more), as the cross-kernel prefetch plan asks of a kernel: inside a model B comes
+    from L3 or memory, and the tile's FMAs hide the fetch. A GEMV streams B at the memory's
+    pace with nothing to hide it behind, and the prefetches only compete with its loads
+    (mlp's 1024 x 1024 layer at batch 1 alone, median 36 -> 30 GFLOP/s); at batch 64 the
+    model in the acceptance check's blocks ran 1.120 -> 1.040 ms, alone level or faster
+    (Emerald Rapids Xeon, 2 threads)."""
+    rows, _ = _gemm_rows(mm)
+    panel_tiles = mm.shape[-1] // mm.note("panel") if mm.note("weights") else 0
+    return panel_tiles >= 2 and 2 * rows / 4 >= MIN_INTENSITY
+
 
 # A GEMM's columns are computed in multiples of 8 (a ymm register): a short remainder wastes
 # less of an 8-lane tail than of a 16-lane one, and a core that splits 512-bit operations in
@@ -923,10 +931,7 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
         Knob("parallel", ("outer", "fused"), default_parallel),
         Knob("pack", packs, packs[0]),
     )
-    # B's next panel prefetched (see GEMM_PREFETCH_MIN_INTENSITY): a B of constant panels,
-    # two whole panel-wide tiles at least, and FLOPs per byte of B (float32) to hide it behind.
-    whole_tiles = cols // default_nr if default_nr == mm.note("panel") else 0
-    if mm.note("weights") and whole_tiles >= 2 and 2 * rows / 4 >= GEMM_PREFETCH_MIN_INTENSITY:
+    if _prefetches_panels(mm):  # its default nr is then the panel's width
         knobs += (Knob("prefetch", (0, 1), 1, absent=0),)
     if not mm.note("pack_a"):
         return knobs
@@ -997,11 +1002,9 @@ def _matmul_fits(mm: StageInfo, config: Mapping[str, object], target: Target) ->
     tail = gemm_column_tail(mm.shape[-1], int(config["nr"]), target.vector_lanes)
     row_tiles = -(-_gemm_rows(mm)[0] // int(config["mr"]))
     one_block = config.get("row_block") and _row_block_tiles(config) >= row_tiles
-    if config.get("prefetch") and (
-        int(config["nr"]) != mm.note("panel") or mm.shape[-1] // int(config["nr"]) < 2
-    ):
+    if config.get("prefetch") and int(config["nr"]) != mm.note("panel"):
         # A tile of one whole panel reads a run of B that moves with its column tile (part
-        # of a panel, or two, read index by index, is no affine run); and a next tile.
+        # of a panel, or two, read index by index, is no affine run).
         return False
     if config.get("row_block") and (config["order"] != "ji" or tail or one_block):
         return False
