@@ -114,3 +114,21 @@ def test_a_transfer_seed_whose_defaults_meet_the_bound_says_nothing():
     assert transfer.trials_ratio({"cold": 0, "warm": 3}) == float("inf")  # warm fell behind
     assert transfer.median_ratio({"seeds": seeds}, "speed") == "0.50 (1 of 2 seeds)"
     assert transfer.median_ratio({"seeds": seeds[:1]}, "speed").startswith("n/a")
+
+
+def test_a_replay_reads_the_share_of_the_spaces_gain_each_session_holds():
+    """bench.transfer: after t trials a session holds (L(0) - L(t)) / (L(0) - L*) of the gain
+    the spaces hold; past its last trial its last point counts; defaults already optimal
+    hold all of it."""
+    before = dict(os.environ)
+    transfer = importlib.import_module("bench.transfer")
+    os.environ.clear()
+    os.environ.update(before)
+    curve = [10.0, 9.0, 9.0, 8.0, 7.5]
+    assert transfer.captured(curve, 6.0, 0) == 0.0
+    assert transfer.captured(curve, 6.0, 3) == 0.5
+    assert transfer.captured(curve, 6.0, 100) == 0.625
+    assert transfer.captured([5.0, 5.0], 5.0, 1) == 1.0
+    row = transfer.seed_report(0, curve, [10.0, 8.0, 7.0], optimum=6.0)
+    assert row["captured"]["warm"][0] == 0.75  # fewer trials than the first checkpoint
+    assert len(row["captured"]["cold"]) == len(transfer.CHECKPOINTS)
