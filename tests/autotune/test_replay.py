@@ -18,17 +18,26 @@ from compiler_core.target import host_target
 from tests.autotune.test_tuner import dense_model, tasks_of
 
 
-@pytest.fixture(scope="module")
-def bench_search():
-    """bench.search, imported without leaving its package's setting in this process's
+def import_bench(name: str) -> types.ModuleType:
+    """A bench module, imported without leaving its package's setting in this process's
     environment: bench/__init__ pins OpenBLAS to one thread for the processes it measures,
     and processes that later tests start would inherit it (a worker's reference executor then
     rounds its sums otherwise than this process's)."""
     before = dict(os.environ)
-    module = importlib.import_module("bench.search")
+    module = importlib.import_module(name)
     os.environ.clear()
     os.environ.update(before)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench_search():
+    return import_bench("bench.search")
+
+
+@pytest.fixture(scope="module")
+def bench_transfer():
+    return import_bench("bench.transfer")
 
 
 HOST = types.SimpleNamespace(fingerprint=host_target().fingerprint, target_label=str(host_target()))
@@ -101,14 +110,11 @@ def test_every_bench_workload_is_a_task_of_the_shared_models(bench_search):
         assert piece in tasks[slug].workload and len(tasks[slug].space()) > 1, slug
 
 
-def test_a_transfer_seed_whose_defaults_meet_the_bound_says_nothing():
+def test_a_transfer_seed_whose_defaults_meet_the_bound_says_nothing(bench_transfer):
     """bench.transfer: a seed where the cold session is at 95% of the final quality before
     its first trial has no warm/cold ratio (0 / 0 read as 0.00 passed issue 9's <= 0.5 by
     saying nothing); the median is over the seeds that have one."""
-    before = dict(os.environ)
-    transfer = importlib.import_module("bench.transfer")
-    os.environ.clear()
-    os.environ.update(before)
+    transfer = bench_transfer
     seeds = [{"speed": {"cold": 0, "warm": 0}}, {"speed": {"cold": 12, "warm": 6}}]
     assert transfer.trials_ratio(seeds[0]["speed"]) is None
     assert transfer.trials_ratio({"cold": 0, "warm": 3}) == float("inf")  # warm fell behind
@@ -116,14 +122,11 @@ def test_a_transfer_seed_whose_defaults_meet_the_bound_says_nothing():
     assert transfer.median_ratio({"seeds": seeds[:1]}, "speed").startswith("n/a")
 
 
-def test_a_replay_reads_the_share_of_the_spaces_gain_each_session_holds():
+def test_a_replay_reads_the_share_of_the_spaces_gain_each_session_holds(bench_transfer):
     """bench.transfer: after t trials a session holds (L(0) - L(t)) / (L(0) - L*) of the gain
     the spaces hold; past its last trial its last point counts; defaults already optimal
     hold all of it."""
-    before = dict(os.environ)
-    transfer = importlib.import_module("bench.transfer")
-    os.environ.clear()
-    os.environ.update(before)
+    transfer = bench_transfer
     curve = [10.0, 9.0, 9.0, 8.0, 7.5]
     assert transfer.captured(curve, 6.0, 0) == 0.0
     assert transfer.captured(curve, 6.0, 3) == 0.5
