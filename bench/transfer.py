@@ -266,6 +266,7 @@ def seed_report(
     """One seed's readings (trials to 95% of the final quality, both ways), printed. With the
     `optimum` (a replay knows it: every task at its table's fastest config), a third reading:
     95% of the gain the spaces hold, a reference that neither session's luck moves."""
+    curves = dict(zip(KINDS, (cold, warm), strict=True))
     final = min(cold[-1], warm[-1])
     row = {"final_ms": final * 1e3, "default_ms": cold[0] * 1e3}
     bounds = {
@@ -279,17 +280,13 @@ def seed_report(
         labels["optimum"] = "of the gain the spaces hold"
     row["readings"] = list(bounds)
     for reading, bound_of in bounds.items():
-        row[reading] = {
-            kind: trials_to(c, bound_of(c)) for kind, c in (("cold", cold), ("warm", warm))
-        }
+        row[reading] = {kind: trials_to(c, bound_of(c)) for kind, c in curves.items()}
     if optimum is not None:
         row["captured"] = {
-            kind: [captured(c, optimum, t) for t in CHECKPOINTS]
-            for kind, c in (("cold", cold), ("warm", warm))
+            kind: [captured(c, optimum, t) for t in CHECKPOINTS] for kind, c in curves.items()
         }
     row["curves_ms"] = {
-        kind: [round(v * 1e3, 4) for v in c[:: max(len(c) // 40, 1)]]
-        for kind, c in (("cold", cold), ("warm", warm))
+        kind: [round(v * 1e3, 4) for v in c[:: max(len(c) // 40, 1)]] for kind, c in curves.items()
     }
     print(
         f"seed {seed}: defaults {cold[0] * 1e3:.3f} ms (cold) {warm[0] * 1e3:.3f} ms (warm), "

@@ -785,6 +785,11 @@ class _GemmNest:
     suffix: str
 
 
+# At most this many prefetches at the top of one iteration of a GEMM's loop (see
+# `_panel_prefetch`): a column tile's iterations run thousands of cycles each.
+PANEL_PREFETCH_BURST = 16
+
+
 def _panel_prefetch(mm: StageInfo, nest: _GemmNest, tiles: list[tuple[str, int]]) -> PrefetchNext:
     """The next column tile's panel of B (fits: a tile is one whole panel) prefetched while
     this tile computes: its lines spread over the loops inside the column-tile loop (`tiles`,
@@ -800,11 +805,6 @@ def _panel_prefetch(mm: StageInfo, nest: _GemmNest, tiles: list[tuple[str, int]]
     steps = itertools.accumulate(extent for _, extent in inside)
     depth_at = next((k for k, n in enumerate(steps) if lines <= n * PANEL_PREFETCH_BURST), -1)
     return PrefetchNext(mm.note("weights"), nest.column_tiles, inside[depth_at][0])
-
-
-# At most this many prefetches at the top of one iteration of a GEMM's loop (see
-# `_panel_prefetch`): a column tile's iterations run thousands of cycles each.
-PANEL_PREFETCH_BURST = 16
 
 
 def _pack_a_at(pack: str, loop: str) -> list[Record]:
