@@ -161,7 +161,7 @@ def _retime_pass(
 ) -> None:
     for slug, task in tasks.items():
         table = [(r.cost, r.config) for r in read_table(slug, task, folder) if r.ok]
-        configs = retime_configs(table, task, top)
+        configs = retime_configs(table, task, top=top)
         per_config = measurer.measure_rounds(task, configs, rounds)
         FileLog(folder / f"{slug}.jsonl").extend(
             measured_record(task, config, result, measurer, retimed=True)

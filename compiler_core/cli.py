@@ -376,10 +376,13 @@ def _applied(log, state, measurer) -> str:
     return f"; in the model {best.config} ran faster: builds apply it"
 
 
-def _alternative_label(task, config: dict) -> str:
-    """An in-model alternative as `kiln tune` names it: its algorithm, at its template's
-    default knobs or at the knobs that differ from them."""
-    variant, knobs = task.variant(config)
+def _alternative_label(timing, config: dict) -> str:
+    """An in-model alternative as `kiln tune` names it: what builds applied before this
+    search, or its algorithm, at its template's default knobs or at the knobs that differ
+    from them."""
+    if config == timing.previous:
+        return "before this search"
+    variant, knobs = timing.task.variant(config)
     changed = {k: v for k, v in knobs.items() if variant.tunable.default_config().get(k) != v}
     where = " ".join(f"{k}={v}" for k, v in changed.items()) or "at its default knobs"
     return f"{config.get('algorithm') or 'direct'} {where}"
@@ -400,7 +403,7 @@ def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
         if not timing.kept_default and not timing.alternatives:
             continue
         others = "".join(
-            f", {_alternative_label(timing.task, config)} {statistics.median(times) * 1e3:.3f} ms"
+            f", {_alternative_label(timing, config)} {statistics.median(times) * 1e3:.3f} ms"
             for config, times in timing.alternatives
         )
         print(

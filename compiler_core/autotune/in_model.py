@@ -21,6 +21,13 @@ slower in the model, where the weights come from L3), and each other algorithm's
 config alone (the same layer on Zen 3: Strassen's 159 GFLOP/s alone and 36% slower than the
 direct default in the model, where the packed-A form, 5% behind Strassen alone, was never
 built).
+
+A task checked in an earlier session also gets what builds applied before this search (the
+winner of its last check, `TuningLog.previous_choice`): a search compares the configs it
+measures with each other, but isolated costs logged on another day do not compare with
+today's, and a re-tune that trusted them could replace a config that ran faster in the model
+(MobileNetV2 re-tuned on the AMX Xeon: its new configs measured 4-30% faster alone than the
+old ones' nine-day-old costs, and the build ran 4% slower than the one it replaced).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class InModelTiming:
     # More configs of a task of several algorithms (see the module's docstring), each with
     # its in-model times.
     alternatives: list[tuple[dict, tuple[float, ...]]] = dataclasses.field(default_factory=list)
+    # Which of them builds applied before this search (`TuningLog.previous_choice`), if any.
+    previous: dict | None = None
 
     @property
     def tuned_ms(self) -> float:
@@ -104,8 +113,9 @@ def check_in_model(
         load(compile_graph(graph, target, verify=False, tuning=log), num_threads=threads),
         load(compile_graph(graph, target, verify=False), num_threads=threads),
     ]
+    previous = {task.key: _previous(task, log, fingerprint) for task in tasks if task.key in tuned}
     alternatives = {
-        task.key: _alternatives(task, tuned[task.key], log, fingerprint)
+        task.key: _alternatives(task, tuned[task.key], log, fingerprint, previous[task.key])
         for task in tasks
         if task.key in tuned
     }
@@ -122,18 +132,42 @@ def check_in_model(
         )
         timing = InModelTiming(task, tuned[task.key], tuned_times, default_times)
         timing.alternatives = list(zip(alternatives[task.key], alternative_times, strict=False))
+        if previous[task.key] in alternatives[task.key]:
+            timing.previous = previous[task.key]
         timings.append(timing)
     log.extend(_records(timings, measurer, compiler_version))
     return timings
 
 
-def _alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str) -> list[dict]:
+def _previous(task: Task, log: TuningLog, fingerprint: str) -> dict | None:
+    """The config builds applied before the task's latest search, where its template still
+    builds it (`TuningLog.previous_choice`)."""
+    previous = log.previous_choice(task.key, fingerprint, task.template, task.template_version)
+    return previous.config if previous is not None and _current(task, previous) else None
+
+
+def _alternatives(
+    task: Task, tuned: dict, log: TuningLog, fingerprint: str, previous: dict | None
+) -> list[dict]:
     """A task's configs to time in the model beside its tuned config and its default: the
-    tuned algorithm at its template's default knobs, then each other algorithm's fastest
-    config measured alone, where these are other configs (none for a task of one
-    algorithm)."""
-    if not task.algorithms:
-        return []
+    `previous` choice, then, for a task of several algorithms, the tuned algorithm at its
+    template's default knobs and each other algorithm's fastest config measured alone; each
+    only where it is another config."""
+    configs = [previous] if previous is not None else []
+    if task.algorithms:
+        configs += _algorithm_alternatives(task, tuned, log, fingerprint)
+    seen = {config_key(tuned), config_key(task.default_config())}
+    kept = []
+    for config in configs:
+        if config_key(config) not in seen:
+            seen.add(config_key(config))
+            kept.append(config)
+    return kept
+
+
+def _algorithm_alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str):
+    """The tuned algorithm at its template's default knobs, then each other algorithm's
+    fastest config measured alone."""
     algorithm = tuned.get(ALGORITHM) or DIRECT
     configs = [task.algorithm_default(algorithm)]
     alone = sorted(
@@ -145,13 +179,7 @@ def _alternatives(task: Task, tuned: dict, log: TuningLog, fingerprint: str) -> 
             ran = (r for r in alone if (r.config.get(ALGORITHM) or DIRECT) == other)
             fastest = next((r.config for r in ran if _current(task, r)), None)
             configs += [fastest] if fastest is not None else []
-    seen = {config_key(tuned), config_key(task.default_config())}
-    kept = []
-    for config in configs:
-        if config_key(config) not in seen:
-            seen.add(config_key(config))
-            kept.append(config)
-    return kept
+    return configs
 
 
 def _current(task: Task, record) -> bool:

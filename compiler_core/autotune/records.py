@@ -371,6 +371,20 @@ class TuningLog(abc.ABC):
             and template_version in (None, record.template_version)
         )
 
+    def previous_choice(
+        self, workload_key: str, fingerprint: str, template: str, template_version: int
+    ) -> TuningRecord | None:
+        """What builds applied before the workload's latest search: the fastest record of the
+        last in-model check that came before its last search measurement; None when no check
+        came before it. A later session's search compares its own configs with each other;
+        the in-model check then times this one beside them, so a re-tune cannot replace what
+        ran fastest in the model on the strength of isolated timings taken on another day."""
+        return _previous_check(
+            record
+            for record in self.records(workload_key, fingerprint)
+            if (record.template, record.template_version) == (template, template_version)
+        )
+
     def measured(self, workload_key: str, fingerprint: str) -> set[str]:
         """Config keys already recorded for a task, ok or failed: a resumed tuner skips them."""
         return {record.config_key for record in self.records(workload_key, fingerprint)}
@@ -399,6 +413,20 @@ def _ranked(records: Iterable[TuningRecord]) -> list[TuningRecord]:
     earlier first on equal cost: the rule of `TuningLog.ranked` and `best_records` alike."""
     candidates = [record for record in records if math.isfinite(record.cost)]
     return sorted(_deciding(candidates), key=lambda record: record.cost)
+
+
+def _previous_check(records: Iterable[TuningRecord]) -> TuningRecord | None:
+    """The fastest ok record of the last run of in-model records (one check's, a check
+    appends them together) before the last search measurement (`previous_choice`)."""
+    candidates = [record for record in records if math.isfinite(record.cost)]
+    last_search = max((k for k, r in enumerate(candidates) if not r.retimed), default=-1)
+    checked = [k for k, r in enumerate(candidates[:last_search]) if r.in_model]
+    if not checked:
+        return None
+    start = end = checked[-1]
+    while start > 0 and candidates[start - 1].in_model:
+        start -= 1
+    return min(candidates[start : end + 1], key=lambda record: record.cost)
 
 
 def _deciding(candidates: list[TuningRecord]) -> list[TuningRecord]:

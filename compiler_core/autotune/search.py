@@ -104,6 +104,10 @@ class TaskState:
     features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     # Whether the best configs were re-timed after the task's last search measurement.
     retimed: bool = False
+    # The config builds applied when the session began (the log's best, if not the default):
+    # a re-timing times it beside this session's best, whose isolated costs do not compare
+    # with ones taken on another day.
+    incumbent: dict | None = None
 
     @property
     def exhausted(self) -> bool:
@@ -182,7 +186,8 @@ class Tuner:
     # --- state from the log -------------------------------------------------------------
 
     def _resume(self, state: TaskState) -> None:
-        """Configs already in the log are never measured again."""
+        """Configs already in the log are never measured again; the config builds apply now
+        is the task's incumbent."""
         task = state.task
         for record in self.log.records(task.key, self.fingerprint):
             if record.template_version != task.template_version:
@@ -192,6 +197,9 @@ class Tuner:
                 continue
             state.retimed = record.retimed  # a search measurement after it wants another
             self._account(state, record.config, record.cost, record.retimed)
+        best = self.log.best(task.key, self.fingerprint, task.template, task.template_version)
+        if best is not None and best.config != task.default_config():
+            state.incumbent = dict(best.config) if best.config in state.space else None
 
     def _account(self, state: TaskState, config: dict, cost: float, retimed=False) -> None:
         """One measurement of `config`; each config counts at its fastest."""
@@ -246,7 +254,10 @@ class Tuner:
         their last search measurement are left alone. Returns the measurements taken."""
         taken = 0
         for state in self.states:
-            configs = [] if state.retimed else retime_configs(state.measured, state.task)
+            if state.retimed:
+                configs = []
+            else:
+                configs = retime_configs(state.measured, state.task, state.incumbent)
             if len(configs) > 1:
                 per_config = self.measurer.measure_rounds(state.task, configs, RETIME_ROUNDS)
                 for round_ in range(RETIME_ROUNDS):
@@ -548,11 +559,15 @@ class Tuner:
 
 
 def retime_configs(
-    measured: Iterable[tuple[float, dict]], task: Task, top: int = RETIME_TOP
+    measured: Iterable[tuple[float, dict]],
+    task: Task,
+    incumbent: dict | None = None,
+    top: int = RETIME_TOP,
 ) -> list[dict]:
     """What a re-timing times again: the `top` fastest of the `measured` (cost, config)
-    pairs, each config at its fastest measurement, and the task's default when it was
-    measured (the tuner's `retime`; bench's replay tables are re-timed alike)."""
+    pairs, each config at its fastest measurement, the task's default when it was measured,
+    and the `incumbent` (what builds applied when the session began), measured or not (the
+    tuner's `retime`; bench's replay tables are re-timed alike)."""
     fastest: dict[str, tuple[float, dict]] = {}
     for cost, config in measured:
         key = config_key(config)
@@ -563,6 +578,8 @@ def retime_configs(
     default = task.default_config()
     if config_key(default) in fastest and default not in chosen:
         chosen.append(default)
+    if incumbent is not None and config_key(incumbent) not in map(config_key, chosen):
+        chosen.append(dict(incumbent))
     return chosen
 
 

@@ -206,6 +206,37 @@ def test_in_model_timings_decide_the_best_until_a_newer_search(store, tmp_path):
     assert store.best(KEY, FP).config["tile_x"] == 3
 
 
+def test_the_previous_choice_is_the_last_check_before_the_latest_search(store):
+    """What builds applied before a workload's latest search: the fastest record of the last
+    in-model check before its last search measurement (here the default, which won the
+    first check), not the search's configs timed alone; none before any check, none while
+    no search came after the last check, and a check of another template version is not
+    this one's."""
+    assert store.previous_choice(KEY, FP, "dense", 1) is None
+    store.extend(
+        [
+            record(tile=1, costs=[5e-3]),  # the default
+            record(tile=3, costs=[4e-3]),
+            record(tile=3, costs=[4.5e-3], retimed=True),
+        ]
+    )
+    assert store.previous_choice(KEY, FP, "dense", 1) is None  # never checked
+    store.extend(
+        [
+            record(tile=2, costs=[3e-3], retimed=True, in_model=True, template_version=2),
+            record(tile=3, costs=[9e-3], retimed=True, in_model=True),
+            record(tile=1, costs=[6e-3], retimed=True, in_model=True),
+        ]
+    )
+    assert store.previous_choice(KEY, FP, "dense", 1) is None  # nothing searched since
+    store.extend([record(tile=5, costs=[2e-3]), record(tile=6, costs=[2.5e-3])])
+    previous = store.previous_choice(KEY, FP, "dense", 1)
+    assert previous.in_model and previous.config["tile_x"] == 1
+    assert store.best(KEY, FP, "dense", 1).config["tile_x"] == 5
+    assert store.previous_choice(KEY, FP, "dense", 2) is None  # searched in version 1 only
+    assert store.previous_choice(KEY, OTHER_FP, "dense", 1) is None
+
+
 def test_a_best_only_export_keeps_what_best_answers_and_nothing_else(store, tmp_path):
     """One record per workload, machine and template version, the one `best` returns; a
     file log compacted onto its own path answers `best` as before."""

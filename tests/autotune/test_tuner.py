@@ -200,6 +200,38 @@ def test_the_best_configs_and_the_default_are_timed_again_after_the_search(
         assert Tuner([task], target, log, measurer).retime() == 0
 
 
+def test_a_retiming_times_the_config_builds_applied_when_the_session_began(
+    tmp_path, target, measurer
+):
+    """The config an earlier session chose (it won in the model) is the task's incumbent;
+    its isolated timing, taken on a busier day (1000x slow), ranks it below every config
+    this session measures, yet the re-timing times it beside them: an old cost does not
+    compare with today's."""
+    (task,) = tasks_of(dense_model())
+    with FileLog(tmp_path / "earlier.jsonl") as log:
+        tuner = Tuner([task], target, log, measurer, batch=4)
+        assert tuner.states[0].incumbent is None  # nothing built from this log yet
+        tuner.run(trials=4)
+        measured = log.records()
+    chosen = next(r for r in measured if r.config != task.default_config())
+    path = tmp_path / "t.jsonl"
+    with FileLog(path) as log:
+        for r in measured:
+            busy = dataclasses.replace(r, costs=tuple(c * 1000 for c in r.costs))
+            log.append(busy if r is chosen else r)
+        log.append(dataclasses.replace(chosen, retimed=True, in_model=True))
+        tuner = Tuner([task], target, log, measurer, batch=4)
+        (state,) = tuner.states
+        assert state.incumbent == chosen.config
+        tuner.run(trials=4, retime=True)
+        retimed = [r for r in log.records() if r.retimed and not r.in_model]
+    assert sum(r.config == chosen.config for r in retimed) == search.RETIME_ROUNDS
+    # the three fastest, the default (unless among them) and the incumbent, each in rounds
+    timed_again = {r.config_key for r in retimed}
+    assert len(timed_again) in (search.RETIME_TOP + 1, search.RETIME_TOP + 2)
+    assert len(retimed) == search.RETIME_ROUNDS * len(timed_again)
+
+
 def test_a_run_that_retimes_leaves_time_for_it_within_its_budget(tmp_path, target, measurer):
     (task,) = tasks_of(conv_model())[:1]
     with FileLog(tmp_path / "t.jsonl") as log:
@@ -725,3 +757,44 @@ def test_tuned_tasks_are_timed_in_the_model_tuned_and_untuned(tmp_path, target, 
     assert check_in_model(graph, target, tasks, log, measurer, rounds=1) == []
     log.append(measured_record(task, task.space()[-1], Result((2e-6,)), measurer))
     assert len(check_in_model(graph, target, tasks, log, measurer, rounds=1)) == 1
+
+
+def test_a_re_tune_times_what_builds_applied_before_it_in_the_model(tmp_path, target, measurer):
+    """After a later search, the in-model check times the earlier check's winner beside the
+    new search's best and the default: their in-model records then decide, so a config that
+    ran faster alone, on another day, does not displace it unchecked. A config of an older
+    template version is not timed."""
+    from compiler_core.autotune.in_model import check_in_model
+    from compiler_core.autotune.measure import Result
+    from compiler_core.autotune.search import measured_record
+
+    graph = optimize(import_model(conv_model()))
+    tasks = extract_tasks(graph, target)
+    task, default = tasks[0], tasks[0].default_config()
+    earlier, newer = [c for c in task.space() if c != default][:2]
+    log = FileLog(tmp_path / "t.jsonl")
+
+    def timed(config, cost, **flags):
+        return dataclasses.replace(
+            measured_record(task, config, Result((cost,)), measurer), **flags
+        )
+
+    log.extend([timed(default, 1e-3), timed(earlier, 1e-4)])  # the earlier search
+    checked = {"retimed": True, "in_model": True}
+    log.extend([timed(earlier, 1e-4, **checked), timed(default, 1e-3, **checked)])
+    log.append(timed(newer, 1e-6))  # a later search, alone, on another day
+    (timing,) = check_in_model(graph, target, tasks, log, measurer, rounds=1)
+    assert timing.tuned_config == newer and timing.alternatives[0][0] == earlier == timing.previous
+    rechecked = [r.config for r in log.records()[5:]]
+    assert rechecked[:3] == [newer, default, earlier]
+    best = log.best(task.key, measurer.fingerprint)
+    assert best.in_model and best.config in (newer, default, earlier)
+    # The same history under an older template version names no earlier choice.
+    old = FileLog(tmp_path / "old.jsonl")
+    old.extend(
+        dataclasses.replace(r, template_version=task.template_version - 1)
+        for r in log.records()[:4]
+    )
+    old.append(timed(newer, 1e-6))
+    (timing,) = check_in_model(graph, target, tasks, old, measurer, rounds=1)
+    assert timing.previous is None and all(c != earlier for c, _ in timing.alternatives)
