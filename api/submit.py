@@ -128,6 +128,8 @@ def describe_event(event: Event) -> str:
             for k in kept
         )
         summary = f"{data.get('checked')} tuned tasks, {len(kept)} keep their default"
+        if data.get("kept_previous"):
+            summary += f", {len(data['kept_previous'])} keep their earlier choice"
         return f"checked in the model: {summary}{details}"
     if event.type == "measured":
         return f"measured latency {data.get('latency_ms')} ms"

@@ -397,8 +397,10 @@ def _check_in_model(graph, target, tasks, log, measurer, threads) -> None:
     timings = check_in_model(graph, target, tasks, log, measurer, COMPILER_VERSION, threads)
     if not timings:
         return
-    kept = [t for t in timings if t.kept_default]
-    print(f"checked in the model: {len(timings)} tuned tasks, {len(kept)} keep their default")
+    kept = sum(t.kept_default for t in timings)
+    previous = sum(t.kept_previous for t in timings)
+    earlier = f", {previous} keep what builds applied before this search" if previous else ""
+    print(f"checked in the model: {len(timings)} tuned tasks, {kept} keep their default{earlier}")
     for timing in timings:
         if not timing.kept_default and not timing.alternatives:
             continue

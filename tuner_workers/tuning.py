@@ -111,8 +111,9 @@ def tune_job(run: JobRun, graph, target, request: dict, settings, send: Send | N
 
 def check_job_in_model(run: JobRun, graph, target, tasks, tuning_log, measurer) -> None:
     """Once every workload has ended: time the tuned ones inside the model, tuned and
-    untuned (`check_in_model`), so the build keeps a default that runs faster there; an
-    `in_model` event says what was checked and which tasks keep their default."""
+    untuned (`check_in_model`), so the build keeps a default, or what it applied before this
+    search, that runs faster there; an `in_model` event says what was checked and which
+    tasks keep their default or their earlier choice."""
     from compiler_core.autotune.in_model import check_in_model
 
     run.check()
@@ -130,6 +131,7 @@ def check_job_in_model(run: JobRun, graph, target, tasks, tuning_log, measurer) 
             for t in timings
             if t.kept_default
         ],
+        kept_previous=[tasks.index(t.task) for t in timings if t.kept_previous],
     )
 
 

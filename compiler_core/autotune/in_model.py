@@ -76,6 +76,14 @@ class InModelTiming:
         fastest = min(statistics.median(times) for _, times in self.candidates())
         return statistics.median(self.default) <= fastest
 
+    @property
+    def kept_previous(self) -> bool:
+        """Whether what builds applied before this search ran fastest in the model."""
+        if self.previous is None or self.kept_default:
+            return False
+        fastest = min(self.candidates(), key=lambda timed: statistics.median(timed[1]))
+        return fastest[0] == self.previous
+
     def candidates(self) -> list[tuple[dict, tuple[float, ...]]]:
         """(config, in-model times) of each config timed."""
         timed = [(self.tuned_config, self.tuned), (self.task.default_config(), self.default)]

@@ -789,6 +789,7 @@ def test_a_re_tune_times_what_builds_applied_before_it_in_the_model(tmp_path, ta
     assert rechecked[:3] == [newer, default, earlier]
     best = log.best(task.key, measurer.fingerprint)
     assert best.in_model and best.config in (newer, default, earlier)
+    assert timing.kept_previous == (best.config == earlier)
     # The same history under an older template version names no earlier choice.
     old = FileLog(tmp_path / "old.jsonl")
     old.extend(

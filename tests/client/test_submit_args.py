@@ -53,6 +53,10 @@ def test_plain_lines():
         "checked in the model: 2 tuned tasks, 1 keep their default; task 0 tuned 0.7 ms, "
         "default 0.5 ms"
     )
+    rechecked = Event("8", "in_model", {"checked": 3, "kept_default": [], "kept_previous": [2]})
+    assert describe_event(rechecked) == (
+        "checked in the model: 3 tuned tasks, 0 keep their default, 1 keep their earlier choice"
+    )
     failed = Event("9", "failed", {"error": "node 'n1': operator X.Y"})
     assert describe_event(failed) == "failed: node 'n1': operator X.Y"
 
