@@ -26,8 +26,8 @@ A task checked in an earlier session also gets what builds applied before this s
 winner of its last check, `TuningLog.previous_choice`): a search compares the configs it
 measures with each other, but isolated costs logged on another day do not compare with
 today's, and a re-tune that trusted them could replace a config that ran faster in the model
-(MobileNetV2 re-tuned on the AMX Xeon: its new configs measured 4-30% faster alone than the
-old ones' nine-day-old costs, and the build ran 4% slower than the one it replaced).
+(MobileNetV2 re-tuned on the AMX Xeon: its new configs mostly measured 5-30% faster alone
+than the old ones' nine-day-old costs, and the build ran 4% slower than the one it replaced).
 """
 
 from __future__ import annotations
