@@ -73,21 +73,31 @@ class InModelTiming:
 
     @property
     def kept_default(self) -> bool:
-        fastest = min(statistics.median(times) for _, times in self.candidates())
-        return statistics.median(self.default) <= fastest
+        """Whether the default ran fastest in the model (it wins a tie)."""
+        return config_key(self._fastest()) == config_key(self.task.default_config())
 
     @property
     def kept_previous(self) -> bool:
         """Whether what builds applied before this search ran fastest in the model."""
-        if self.previous is None or self.kept_default:
-            return False
-        fastest = min(self.candidates(), key=lambda timed: statistics.median(timed[1]))
-        return fastest[0] == self.previous
+        return not self.kept_default and self._fastest() == self.previous
+
+    def _fastest(self) -> dict:
+        default = config_key(self.task.default_config())
+        fastest = min(
+            self.candidates(),
+            key=lambda timed: (statistics.median(timed[1]), config_key(timed[0]) != default),
+        )
+        return fastest[0]
 
     def candidates(self) -> list[tuple[dict, tuple[float, ...]]]:
-        """(config, in-model times) of each config timed."""
+        """(config, in-model times) of each config timed, once: a task whose best is its
+        default, checked for its earlier choice, has the default in two builds, and the
+        tuned build's timing counts."""
         timed = [(self.tuned_config, self.tuned), (self.task.default_config(), self.default)]
-        return timed + self.alternatives
+        once = {}
+        for config, times in timed + self.alternatives:
+            once.setdefault(config_key(config), (config, times))
+        return list(once.values())
 
 
 def check_in_model(
@@ -100,19 +110,20 @@ def check_in_model(
     threads: int | None = None,
     rounds: int = IN_MODEL_ROUNDS,
 ) -> list[InModelTiming]:
-    """Time the tasks `log` tunes (those whose best config is not the default, and not yet
-    checked in the model since their last search measurement) inside the model, tuned and
-    untuned, and append the timings to `log` as in-model records (keyed like `measurer`'s).
-    Returns what was timed, heaviest task first."""
+    """Time the tasks `log` tunes (those not checked in the model since their last search
+    measurement whose best config, or whose earlier choice, is not the default) inside the
+    model, tuned and untuned, and append the timings to `log` as in-model records (keyed
+    like `measurer`'s). Returns what was timed, heaviest task first."""
     from compiler_core.compiler import compile_graph
 
     fingerprint = measurer.fingerprint
     _, notes, _ = tuned_schedules(graph, target, log, fingerprint)
+    previous = {task.key: _previous(task, log, fingerprint) for task in tasks}
     tuned = {
         task.key: notes[task.groups[0]]["config"]
         for task in tasks
         if task.groups[0] in notes
-        and config_key(notes[task.groups[0]]["config"]) != config_key(task.default_config())
+        and _tuned(task, notes[task.groups[0]]["config"], previous[task.key])
         and not log.checked_in_model(task.key, fingerprint, task.template_version)
     }
     if not tuned:
@@ -121,7 +132,6 @@ def check_in_model(
         load(compile_graph(graph, target, verify=False, tuning=log), num_threads=threads),
         load(compile_graph(graph, target, verify=False), num_threads=threads),
     ]
-    previous = {task.key: _previous(task, log, fingerprint) for task in tasks if task.key in tuned}
     alternatives = {
         task.key: _alternatives(task, tuned[task.key], log, fingerprint, previous[task.key])
         for task in tasks
@@ -145,6 +155,14 @@ def check_in_model(
         timings.append(timing)
     log.extend(_records(timings, measurer, compiler_version))
     return timings
+
+
+def _tuned(task: Task, best: dict, previous: dict | None) -> bool:
+    """Whether a task has a config other than its default to time in the model: its best,
+    or what builds applied before its search (a search whose best alone is the default,
+    today, has not shown that the earlier choice runs slower in the model)."""
+    default = config_key(task.default_config())
+    return config_key(best) != default or (previous is not None and config_key(previous) != default)
 
 
 def _previous(task: Task, log: TuningLog, fingerprint: str) -> dict | None:

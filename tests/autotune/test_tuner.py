@@ -799,3 +799,36 @@ def test_a_re_tune_times_what_builds_applied_before_it_in_the_model(tmp_path, ta
     old.append(timed(newer, 1e-6))
     (timing,) = check_in_model(graph, target, tasks, old, measurer, rounds=1)
     assert timing.previous is None and all(c != earlier for c, _ in timing.alternatives)
+
+
+def test_a_re_tune_whose_best_alone_is_the_default_still_times_the_earlier_choice(
+    tmp_path, target, measurer
+):
+    """A later search that finds the default fastest alone has not shown that the earlier
+    choice, which beat the default in the model, runs slower there: the task is checked
+    again, the default timed once (in the tuned build), the earlier choice beside it."""
+    from compiler_core.autotune.in_model import check_in_model
+    from compiler_core.autotune.measure import Result
+    from compiler_core.autotune.search import measured_record
+
+    graph = optimize(import_model(conv_model()))
+    tasks = extract_tasks(graph, target)
+    task, default = tasks[0], tasks[0].default_config()
+    earlier = next(c for c in task.space() if c != default)
+    log = FileLog(tmp_path / "t.jsonl")
+
+    def timed(config, cost, **flags):
+        return dataclasses.replace(
+            measured_record(task, config, Result((cost,)), measurer), **flags
+        )
+
+    checked = {"retimed": True, "in_model": True}
+    log.extend([timed(earlier, 1e-4, **checked), timed(default, 1e-3, **checked)])
+    log.extend([timed(default, 1e-7), timed(earlier, 1e-3)])  # alone, today: the default
+    assert log.best(task.key, measurer.fingerprint).config == default
+    (timing,) = check_in_model(graph, target, tasks, log, measurer, rounds=1)
+    assert timing.tuned_config == default and timing.previous == earlier
+    rechecked = [r.config for r in log.records()[4:]]
+    assert rechecked == [default, earlier]  # the default once
+    best = log.best(task.key, measurer.fingerprint).config
+    assert timing.kept_default == (best == default) and timing.kept_previous == (best == earlier)
