@@ -198,8 +198,8 @@ class Tuner:
             state.retimed = record.retimed  # a search measurement after it wants another
             self._account(state, record.config, record.cost, record.retimed)
         best = self.log.best(task.key, self.fingerprint, task.template, task.template_version)
-        if best is not None and best.config != task.default_config():
-            state.incumbent = dict(best.config) if best.config in state.space else None
+        if best is not None and best.config != task.default_config() and task.builds(best.config):
+            state.incumbent = dict(best.config)
 
     def _account(self, state: TaskState, config: dict, cost: float, retimed=False) -> None:
         """One measurement of `config`; each config counts at its fastest."""

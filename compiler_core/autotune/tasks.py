@@ -114,6 +114,16 @@ class Task:
         """`algorithm` at its own template's default knobs (a task of several algorithms)."""
         return {ALGORITHM: algorithm, **self._variant_of(algorithm).tunable.default_config()}
 
+    def builds(self, config: Config) -> bool:
+        """Whether the task's templates build `config` today (a logged config of knob values
+        since dropped does not; one that lacks a knob added later, whose `absent` value says
+        what it meant, does)."""
+        try:
+            self.records(config)
+        except ValueError:
+            return False
+        return True
+
     def records(self, config: Config | None = None) -> list[Record]:
         """The whole group's schedule with the template at `config` (for its variant)."""
         variant, rest = self.variant(config)

@@ -222,7 +222,8 @@ def test_a_retiming_times_the_config_builds_applied_when_the_session_began(
         log.append(dataclasses.replace(chosen, retimed=True, in_model=True))
         tuner = Tuner([task], target, log, measurer, batch=4)
         (state,) = tuner.states
-        assert state.incumbent == chosen.config
+        assert state.incumbent == chosen.config and task.builds(chosen.config)
+        assert not task.builds({**chosen.config, "no_such_knob": 1})
         tuner.run(trials=4, retime=True)
         retimed = [r for r in log.records() if r.retimed and not r.in_model]
     assert sum(r.config == chosen.config for r in retimed) == search.RETIME_ROUNDS
