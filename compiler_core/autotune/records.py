@@ -419,8 +419,7 @@ def _previous_check(records: Iterable[TuningRecord]) -> TuningRecord | None:
     """The fastest ok record of the last run of in-model records (one check's, a check
     appends them together) before the last search measurement (`previous_choice`)."""
     candidates = [record for record in records if math.isfinite(record.cost)]
-    last_search = max((k for k, r in enumerate(candidates) if not r.retimed), default=-1)
-    checked = [k for k, r in enumerate(candidates[:last_search]) if r.in_model]
+    checked = [k for k, r in enumerate(candidates[: _last_search(candidates)]) if r.in_model]
     if not checked:
         return None
     start = end = checked[-1]
@@ -433,9 +432,14 @@ def _deciding(candidates: list[TuningRecord]) -> list[TuningRecord]:
     """The records (in log order) that decide a workload's best: its in-model timings when
     they came after its last search measurement, else the others (a newer search has not
     been checked in the model; in-model times do not compare with isolated ones)."""
-    last_search = max((k for k, r in enumerate(candidates) if not r.retimed), default=-1)
-    in_model = [r for r in candidates[last_search + 1 :] if r.in_model]
+    in_model = [r for r in candidates[_last_search(candidates) + 1 :] if r.in_model]
     return in_model or [r for r in candidates if not r.in_model]
+
+
+def _last_search(records: list[TuningRecord]) -> int:
+    """The index of the last search measurement (a record neither re-timed nor timed in the
+    model), -1 when there is none."""
+    return max((k for k, r in enumerate(records) if not r.retimed), default=-1)
 
 
 def _parse_line(line: bytes, where: str) -> TuningRecord | None:

@@ -114,24 +114,22 @@ def test_a_transfer_seed_whose_defaults_meet_the_bound_says_nothing(bench_transf
     """bench.transfer: a seed where the cold session is at 95% of the final quality before
     its first trial has no warm/cold ratio (0 / 0 read as 0.00 passed issue 9's <= 0.5 by
     saying nothing); the median is over the seeds that have one."""
-    transfer = bench_transfer
     seeds = [{"speed": {"cold": 0, "warm": 0}}, {"speed": {"cold": 12, "warm": 6}}]
-    assert transfer.trials_ratio(seeds[0]["speed"]) is None
-    assert transfer.trials_ratio({"cold": 0, "warm": 3}) == float("inf")  # warm fell behind
-    assert transfer.median_ratio({"seeds": seeds}, "speed") == "0.50 (1 of 2 seeds)"
-    assert transfer.median_ratio({"seeds": seeds[:1]}, "speed").startswith("n/a")
+    assert bench_transfer.trials_ratio(seeds[0]["speed"]) is None
+    assert bench_transfer.trials_ratio({"cold": 0, "warm": 3}) == float("inf")  # warm fell behind
+    assert bench_transfer.median_ratio({"seeds": seeds}, "speed") == "0.50 (1 of 2 seeds)"
+    assert bench_transfer.median_ratio({"seeds": seeds[:1]}, "speed").startswith("n/a")
 
 
 def test_a_replay_reads_the_share_of_the_spaces_gain_each_session_holds(bench_transfer):
     """bench.transfer: after t trials a session holds (L(0) - L(t)) / (L(0) - L*) of the gain
     the spaces hold; past its last trial its last point counts; defaults already optimal
     hold all of it."""
-    transfer = bench_transfer
     curve = [10.0, 9.0, 9.0, 8.0, 7.5]
-    assert transfer.captured(curve, 6.0, 0) == 0.0
-    assert transfer.captured(curve, 6.0, 3) == 0.5
-    assert transfer.captured(curve, 6.0, 100) == 0.625
-    assert transfer.captured([5.0, 5.0], 5.0, 1) == 1.0
-    row = transfer.seed_report(0, curve, [10.0, 8.0, 7.0], optimum=6.0)
+    assert bench_transfer.captured(curve, 6.0, 0) == 0.0
+    assert bench_transfer.captured(curve, 6.0, 3) == 0.5
+    assert bench_transfer.captured(curve, 6.0, 100) == 0.625
+    assert bench_transfer.captured([5.0, 5.0], 5.0, 1) == 1.0
+    row = bench_transfer.seed_report(0, curve, [10.0, 8.0, 7.0], optimum=6.0)
     assert row["captured"]["warm"][0] == 0.75  # fewer trials than the first checkpoint
-    assert len(row["captured"]["cold"]) == len(transfer.CHECKPOINTS)
+    assert len(row["captured"]["cold"]) == len(bench_transfer.CHECKPOINTS)
