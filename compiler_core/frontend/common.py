@@ -96,13 +96,22 @@ class ImportContext:
         self.empty_optionals: set[str] = set()
         self.fresh = NameGenerator(taken_names)
         self.current: onnx.NodeProto | None = None
+        # The model's opsets of domains other than the default one (ai.onnx.preview's).
+        self.domain_opsets: dict[str, int] = {}
 
     def subcontext(self, taken_names: set[str]) -> ImportContext:
         """A context for a body graph, converted with the same opset and rules; the empty
         optionals of the graphs around it are empty in it too."""
         body = ImportContext(self.opset, taken_names, self.convert)
         body.empty_optionals = set(self.empty_optionals)
+        body.domain_opsets = self.domain_opsets
         return body
+
+    def opset_of(self, domain: str) -> int:
+        """The model's opset of `domain` (0 where the model does not import it)."""
+        if domain in ("", "ai.onnx"):
+            return self.opset
+        return self.domain_opsets.get(domain, 0)
 
     # queries
 

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler_core.frontend.common import UnsupportedError, onnx_dtype_name
-from compiler_core.frontend.convert_utils import Converter, all_inputs, all_outputs, input_at
+from compiler_core.frontend.common import (
+    ModelFormatError,
+    UnsupportedError,
+    onnx_dtype_name,
+)
+from compiler_core.frontend.convert_control import inline_graph
+from compiler_core.frontend.convert_utils import (
+    Converter,
+    all_inputs,
+    all_outputs,
+    emit_reshape,
+    input_at,
+)
 
 ATTENTION_DEFAULTS = {
     "is_causal": 0,
@@ -27,6 +38,88 @@ def convert_attention(ctx, node, attrs):
     values = {k: v for k, v in values.items() if v is not None}
     outputs = all_outputs(node) + [""] * (4 - len(node.output))
     ctx.emit("Attention", all_inputs(node), outputs, **values)
+
+
+def convert_flex_attention(ctx, node, attrs):
+    """ai.onnx.preview FlexAttention: softmax(score_mod(Q K^T * scale)), prob_mod, then @ V.
+
+    Without modifiers it is the Attention operator (one fused kernel). With them, the
+    computation is spelled out in the spec's order so each modifier graph is inlined at its
+    stage: scores and probabilities in the softmax precision (float32 for 16-bit inputs), the
+    output cast back to V's type, as the ONNX reference computes it."""
+    where = f"node {node.name!r} (FlexAttention)"
+    q, k, v = (input_at(node, i) for i in range(3))
+    head = _flex_head_size(ctx, q, k, v, where)
+    precision = attrs.get("softmax_precision")
+    if precision is not None:
+        compute = onnx_dtype_name(precision)
+    else:
+        compute = "float64" if ctx.type(q).dtype == "float64" else "float32"
+    scale = attrs.get("scale", 1.0 / float(np.sqrt(head)))
+    score_mod, prob_mod = attrs.get("score_mod"), attrs.get("prob_mod")
+    if score_mod is None and prob_mod is None:
+        outputs = [node.output[0], "", "", ""]
+        ctx.emit("Attention", [q, k, v], outputs, scale=scale, softmax_precision=compute)
+        return
+    q_heads, kv_heads = ctx.type(q).shape[1], ctx.type(k).shape[1]
+    if q_heads != kv_heads:  # query head h reads key/value head h // group, as np.repeat
+        k, v = (_repeat_heads(ctx, x, q_heads // kv_heads) for x in (k, v))
+    # Q and K each scaled by sqrt(scale), the square root taken in float32 (the reference's
+    # order: it keeps 16-bit scores in range).
+    dtype = ctx.type(q).dtype
+    root = ctx.add_constant(np.asarray(np.sqrt(np.float32(scale)), dtype), prefix="flex_scale")
+    keys = ctx.emit("Transpose", [ctx.emit("Mul", [k, root])], perm=(0, 1, 3, 2))
+    scores = _cast(ctx, ctx.emit("MatMul", [ctx.emit("Mul", [q, root]), keys]), compute)
+    if score_mod is not None:
+        scores = _modified(ctx, score_mod, scores, f"{where} score_mod")
+    probs = ctx.emit("Softmax", [scores], axis=3)
+    if prob_mod is not None:
+        probs = _modified(ctx, prob_mod, probs, f"{where} prob_mod")
+    out = ctx.emit("MatMul", [probs, _cast(ctx, v, compute)])
+    ctx.emit("Cast", [out], [node.output[0]], to=ctx.type(v).dtype)
+
+
+def _flex_head_size(ctx, q: str, k: str, v: str, where: str) -> int:
+    """Q's head size, once Q [B, Hq, L, E], K [B, Hkv, S, E] and V [B, Hkv, S, Ev] fit."""
+    shapes = [ctx.type(x).shape for x in (q, k, v)]
+    if any(len(shape) != 4 for shape in shapes):
+        raise ModelFormatError(f"{where}: Q, K and V must be rank 4, not {shapes}")
+    (_, q_heads, _, head), (_, kv_heads, kv_len, k_head), (_, v_heads, v_len, _) = shapes
+    if k_head != head or v_heads != kv_heads or v_len != kv_len or q_heads % kv_heads:
+        raise ModelFormatError(
+            f"{where}: shapes Q {shapes[0]}, K {shapes[1]}, V {shapes[2]} do not fit: K's head "
+            "size must be Q's, V must have K's heads and length, and Q's heads a multiple of K's"
+        )
+    return head
+
+
+def _repeat_heads(ctx, x: str, group: int) -> str:
+    """[B, H, S, D] -> [B, H * group, S, D], each head repeated `group` times in place."""
+    batch, heads, length, size = ctx.type(x).shape
+    wide = ctx.emit(
+        "Expand",
+        [emit_reshape(ctx, x, (batch, heads, 1, length, size))],
+        shape=(batch, heads, group, length, size),
+    )
+    return emit_reshape(ctx, wide, (batch, heads * group, length, size))
+
+
+def _cast(ctx, x: str, dtype: str) -> str:
+    return x if ctx.type(x).dtype == dtype else ctx.emit("Cast", [x], to=dtype)
+
+
+def _modified(ctx, graph, value: str, where: str) -> str:
+    """A modifier graph inlined on `value`: one input, one output of the same type."""
+    if len(graph.input) != 1 or len(graph.output) != 1:
+        raise ModelFormatError(
+            f"{where}: a modifier graph takes one input and gives one output, not "
+            f"{len(graph.input)} and {len(graph.output)}"
+        )
+    (result,) = inline_graph(ctx, graph, {graph.input[0].name: value})
+    got, given = ctx.type(result), ctx.type(value)
+    if got != given:
+        raise ModelFormatError(f"{where}: gives {got}, it must give {given}")
+    return result
 
 
 def convert_linear_attention(ctx, node, attrs):
@@ -130,4 +223,6 @@ CONVERTERS: dict[str, dict[int, Converter]] = {
     "RotaryEmbedding": {23: convert_rotary},
     "SwiGLU": {28: convert_swiglu},
     "Swish": {24: convert_swish},
+    # Operators of the preview domain, keyed by domain and name, by that domain's opset.
+    "ai.onnx.preview.FlexAttention": {1: convert_flex_attention},
 }

@@ -32,14 +32,13 @@ from compiler_core.frontend.common import (  # noqa: F401 - re-exported: the fro
     onnx_dtype_name,
     tensor_to_array,
 )
-from compiler_core.frontend.onnx_ops import convert_node
+from compiler_core.frontend.onnx_ops import CONVERTERS, DEFAULT_DOMAINS, convert_node, converter_key
 from compiler_core.graph.ir import Graph, TensorType
 
 # 11 is the floor the product promises; older models import where their operators' semantics
 # are converted (the ONNX model zoo's opset-9 graphs are).
 MIN_OPSET = 1
 MAX_OPSET = onnx.defs.onnx_opset_version()
-DEFAULT_DOMAINS = ("", "ai.onnx")
 # A single tensor larger than this is refused: protects against absurd declared sizes.
 MAX_TENSOR_BYTES = 8 << 30
 
@@ -99,13 +98,14 @@ def _raise_unsupported_node(model: onnx.ModelProto) -> None:
         domain = node.domain or ""
         version = opsets.get("" if domain == "ai.onnx" else domain)
         where = f"node {node.name!r}: operator {node.op_type}"
-        if domain not in DEFAULT_DOMAINS:
+        if domain not in DEFAULT_DOMAINS and converter_key(node) not in CONVERTERS:
             raise UnsupportedError(
                 f"{where} in domain {domain!r} is outside the default ONNX domain; not supported"
             )
-        if version is None or not onnx.defs.has(node.op_type, version, ""):
+        schema_domain = "" if domain in DEFAULT_DOMAINS else domain
+        if version is None or not onnx.defs.has(node.op_type, version, schema_domain):
             raise UnsupportedError(f"{where} (opset {version}) is not an ONNX operator")
-        schema = onnx.defs.get_schema(node.op_type, version, "")
+        schema = onnx.defs.get_schema(node.op_type, version, schema_domain)
         unknown = sorted(a.name for a in node.attribute if a.name not in schema.attributes)
         if unknown:
             raise UnsupportedError(
@@ -326,6 +326,9 @@ def import_model(
     for node in graph_proto.node:
         taken.update(node.output)
     ctx = ImportContext(opset, taken, convert_checked)
+    ctx.domain_opsets = {
+        op.domain: op.version for op in model.opset_import if op.domain not in DEFAULT_DOMAINS
+    }
 
     for tensor in graph_proto.initializer:
         ctx.add_constant(tensor_to_array(tensor), name=tensor.name)
@@ -361,7 +364,7 @@ def import_model(
 
 def convert_checked(ctx: ImportContext, node: onnx.NodeProto) -> None:
     """Convert one node into `ctx` after the checks every node passes."""
-    if node.domain not in DEFAULT_DOMAINS:
+    if node.domain not in DEFAULT_DOMAINS and converter_key(node) not in CONVERTERS:
         raise UnsupportedError(
             f"node {node.name!r}: operator {node.domain}.{node.op_type} is outside the "
             "default ONNX domain; not supported"

@@ -619,16 +619,29 @@ CONVERTERS: dict[str, dict[int, Converter]] = merge_tables(
 )
 
 
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def converter_key(node: onnx.NodeProto) -> str:
+    """A node's key in CONVERTERS: its operator's name in the default domain, `domain.name`
+    in another (the preview domain's FlexAttention: `ai.onnx.preview.FlexAttention`)."""
+    if node.domain in DEFAULT_DOMAINS:
+        return node.op_type
+    return f"{node.domain}.{node.op_type}"
+
+
 def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:
-    versions = CONVERTERS.get(node.op_type)
+    key = converter_key(node)
+    versions = CONVERTERS.get(key)
+    opset = ctx.opset_of(node.domain)
     if versions is None:
         raise UnsupportedError(
-            f"{node_label(node)}: operator {node.op_type} (opset {ctx.opset}) is not supported"
+            f"{node_label(node)}: operator {key} (opset {opset}) is not supported"
         )
-    eligible = [v for v in versions if v <= ctx.opset]
+    eligible = [v for v in versions if v <= opset]
     if not eligible:
         raise UnsupportedError(
-            f"{node_label(node)}: operator {node.op_type} at opset {ctx.opset} is not "
+            f"{node_label(node)}: operator {key} at opset {opset} is not "
             f"supported (Kiln converts it from opset {min(versions)})"
         )
     attrs = Attrs(node)
@@ -636,6 +649,6 @@ def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:
     unread = attrs.unread()
     if unread:
         raise UnsupportedError(
-            f"{node_label(node)}: operator {node.op_type} (opset {ctx.opset}) attribute(s) "
+            f"{node_label(node)}: operator {key} (opset {opset}) attribute(s) "
             f"{', '.join(unread)} not supported"
         )

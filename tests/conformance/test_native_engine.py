@@ -55,6 +55,9 @@ NATIVE_MUST_PASS = (
     "test_rnn_seq_length",
     "test_linear_attention_gated_delta_gqa",
     "test_linear_attention_prefill_with_past",
+    # The preview domain: FlexAttention's modifier graphs inlined, GQA heads repeated.
+    "test_flexattention_causal_mask",
+    "test_flexattention_gqa",
     "test_col2im_dilations",
     "test_col2im_5d",
     # Control flow: Scan as one native loop, Loop unrolled (its Slice bounds are the
