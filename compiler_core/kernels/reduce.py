@@ -7,6 +7,8 @@ import itertools
 import math
 from collections.abc import Callable
 
+import numpy as np
+
 from compiler_core.graph.ir import Node
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.base import Builder, KernelContext, KernelError
@@ -285,9 +287,16 @@ def _softmax_rows(ctx: KernelContext, node: Node, log: bool):
         return None
     rank = len(rows.shape)
     peak = row_reduce(ctx, node, rows.shape, tuple, rows, COMBINER_KINDS[reduce_max], rows.at)
+    empty_rows = not log and node.attr("zero_empty_rows", 0)
+
+    def shift(r):
+        # A row of -inf alone shifts by 0 instead: exp(-inf) = 0 everywhere, a zero total.
+        return _finite_or_zero(peak[r], x.dtype) if empty_rows else peak[r]
 
     # exp(x - max) once per element: kept (one row at a time) for the sum and the output
-    shifted = compute(x.shape, lambda *i: Unary("exp", x[i] - peak[i[:rank]]), ctx.stage_name(node))
+    shifted = compute(
+        x.shape, lambda *i: Unary("exp", x[i] - shift(i[:rank])), ctx.stage_name(node)
+    )
     ctx.note(shifted.name, materialize=True)
 
     def exp_shifted(r, k):
@@ -300,11 +309,20 @@ def _softmax_rows(ctx: KernelContext, node: Node, log: bool):
         if log:
             return x[i] - peak[r] - Unary("log", total[r])
         # times the reciprocal: one division per row, hoisted out of the row's loop
+        if empty_rows:  # no allowed key: zero probabilities (Attention's convention)
+            zero = Const(0.0, x.dtype)
+            inverse = Select(total[r] > zero, Const(1.0, x.dtype) / total[r], zero)
+            return shifted[i] * inverse
         return shifted[i] * (Const(1.0, x.dtype) / total[r])
 
     out = compute(x.shape, body, ctx.stage_name(node))
     note_row_stages(ctx, out, rank, [peak, shifted, total])
     return [out]
+
+
+def _finite_or_zero(value, dtype: str):
+    """`value`, or 0 where it is -inf (the max of a row with no allowed entry)."""
+    return Select(value > Const(-np.inf, dtype), value, Const(0.0, dtype))
 
 
 def _softmax(log: bool) -> Builder:
@@ -340,6 +358,10 @@ def _softmax(log: bool) -> Builder:
         def body(*i):
             if log:
                 return x[i] - peak[keep(i)] - Unary("log", total[keep(i)])
+            if node.attr("zero_empty_rows", 0):  # see _softmax_rows
+                shifted = Unary("exp", x[i] - _finite_or_zero(peak[keep(i)], x.dtype))
+                zero = Const(0.0, x.dtype)
+                return Select(total[keep(i)] > zero, shifted / total[keep(i)], zero)
             return Unary("exp", x[i] - peak[keep(i)]) / total[keep(i)]
 
         return [compute(x.shape, body, ctx.stage_name(node))]

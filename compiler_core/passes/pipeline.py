@@ -15,6 +15,7 @@ from compiler_core.graph.ir import Graph
 from compiler_core.graph.verify import verify
 from compiler_core.passes import (
     clone_shared_views,
+    decompose_attention,
     decompose_conv_transpose,
     eliminate_common_subexpressions,
     eliminate_dead_code,
@@ -49,6 +50,7 @@ def pipeline(target: Target) -> tuple[tuple[str, Pass], ...]:
 # The passes in order (the layout pass unbound: `pipeline(target)` gives the runnable list).
 PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("fold_constants", fold_constants.run),
+    ("decompose_attention", decompose_attention.run),
     ("eliminate_identity", eliminate_identity.run),
     ("simplify_inference", simplify_inference.run),
     ("simplify_views", simplify_views.run),

@@ -115,11 +115,20 @@ def _arg(fn):
 
 
 def _softmax(node, inputs):
+    """`zero_empty_rows` (Kiln's own attribute, set by decompose_attention): a row of -inf
+    alone (no key allowed) gives zeros, as Attention defines it, instead of NaN."""
     x = inputs[0]
     axis = node.attr("axis", -1)
     v = x.astype(np.float64)
-    e = np.exp(v - np.max(v, axis=axis, keepdims=True))
-    return [(e / np.sum(e, axis=axis, keepdims=True)).astype(x.dtype)]
+    peak = np.max(v, axis=axis, keepdims=True)
+    empty = node.attr("zero_empty_rows", 0) and np.isneginf(peak)
+    if np.any(empty):
+        v, peak = np.where(empty, -np.inf, v), np.where(empty, 0.0, peak)
+    e = np.exp(v - peak)
+    total = np.sum(e, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(total > 0, e / total, 0.0) if np.any(empty) else e / total
+    return [out.astype(x.dtype)]
 
 
 def _log_softmax(node, inputs):

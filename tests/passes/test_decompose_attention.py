@@ -1,0 +1,148 @@
+"""decompose_attention: a float Attention without a KV cache becomes MatMul / Softmax / MatMul
+and computes what the Attention operator does (numpy reference executor on both graphs, and
+the compiled module against the original graph); what only the Attention kernel does keeps the
+node. Also the two kernel fixes it needed: a Softmax row with no allowed entry gives zeros
+when told so, and the fast exp flushes to zero below FLT_MIN (exp(-inf) = 0, no subnormals)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import compiler_core
+from compiler_core.compiler import compile_graph
+from compiler_core.frontend.onnx import import_model
+from compiler_core.graph.verify import verify
+from compiler_core.passes import decompose_attention
+from compiler_core.passes.pipeline import optimize
+from compiler_core.reference import run_graph
+from compiler_core.runtime import load
+from compiler_core.target import host_target
+from tests.conftest import FLOAT, make_model
+
+RNG = np.random.default_rng(5)
+BOOL = TensorProto.BOOL
+
+
+def attention_model(q, k, v, mask=None, mask_type=FLOAT, outputs=("y",), dtype=FLOAT, **attrs):
+    inputs = [("q", dtype, q), ("k", dtype, k), ("v", dtype, v)]
+    names = ["q", "k", "v"]
+    if mask is not None:
+        inputs.append(("mask", mask_type, mask))
+        names.append("mask")
+    node = helper.make_node("Attention", names, list(outputs), **attrs)
+    # opset 25: the windows' attributes
+    model = make_model([node], inputs, [(o, dtype, None) for o in outputs if o], opset=25)
+    for value in model.graph.output:
+        del value.type.tensor_type.shape.dim[:]
+    return model
+
+
+def feeds_for(graph, masked_row=None):
+    feeds = {}
+    for name in graph.inputs:
+        t = graph.types[name]
+        if t.dtype == "bool":
+            keep = RNG.random(t.shape) > 0.3
+            if masked_row is not None:
+                keep[..., masked_row, :] = False
+            feeds[name] = keep
+        else:
+            feeds[name] = RNG.standard_normal(t.shape).astype(t.dtype)
+    return feeds
+
+
+def assert_decomposed_same(model, masked_row=None, decomposed=True):
+    before = import_model(model)
+    after = decompose_attention.run(before)
+    verify(after)
+    assert any(n.op == "Attention" for n in after.nodes) != decomposed
+    feeds = feeds_for(before, masked_row)
+    expected = run_graph(before, feeds)["y"]
+    np.testing.assert_allclose(run_graph(after, feeds)["y"], expected, rtol=1e-5, atol=1e-6)
+    native = load(compiler_core.compile(model.SerializeToString())).run(feeds)["y"]
+    np.testing.assert_allclose(native, expected, rtol=1e-4, atol=1e-5)
+    return after, expected
+
+
+def test_4d_with_grouped_heads_and_a_float_mask_is_two_matmuls_around_a_softmax():
+    model = attention_model([2, 6, 5, 8], [2, 2, 7, 8], [2, 2, 7, 4], mask=[5, 7], scale=0.3)
+    after, _ = assert_decomposed_same(model)
+    ops = [n.op for n in after.nodes]
+    assert ops.count("MatMul") == 2 and ops.count("Softmax") == 1 and "Expand" in ops
+
+
+def test_3d_packed_heads_causal_with_fewer_queries_than_keys_and_a_soft_cap():
+    model = attention_model(
+        [1, 4, 24], [1, 6, 24], [1, 6, 12], q_num_heads=3, kv_num_heads=3, is_causal=1,
+        softcap=2.5,
+    )  # fmt: skip
+    assert_decomposed_same(model)
+
+
+def test_windows_and_a_boolean_mask_combine_and_a_fully_masked_row_gives_zeros():
+    model = attention_model(
+        [1, 2, 6, 8], [1, 2, 6, 8], [1, 2, 6, 8], mask=[1, 2, 6, 6], mask_type=BOOL,
+        left_window_size=2, right_window_size=1,
+    )  # fmt: skip
+    after, expected = assert_decomposed_same(model, masked_row=3)
+    softmax = next(n for n in after.nodes if n.op == "Softmax")
+    assert softmax.attr("zero_empty_rows") == 1
+    assert not np.isnan(expected).any() and np.all(expected[:, :, 3] == 0)
+
+
+def test_float64_is_decomposed_too():
+    assert_decomposed_same(attention_model([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8],
+                                           dtype=TensorProto.DOUBLE))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["qk_matmul_output", "float16", "softmax_precision", "short mask"],
+)
+def test_what_only_the_attention_kernel_does_keeps_the_node(why):
+    shapes, extra = ([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8]), {}
+    if why == "qk_matmul_output":
+        extra["outputs"] = ("y", "", "", "qk")
+    elif why == "float16":
+        extra["dtype"] = TensorProto.FLOAT16
+    elif why == "softmax_precision":
+        extra["softmax_precision"] = TensorProto.DOUBLE
+    else:
+        extra["mask"] = [4, 5]
+    graph = import_model(attention_model(*shapes, **extra))
+    assert decompose_attention.run(graph) is graph
+
+
+def softmax_module(shape, axis, zero_empty_rows):
+    node = helper.make_node("Softmax", ["x"], ["y"], axis=axis)
+    graph = import_model(make_model([node], [("x", FLOAT, shape)], [("y", FLOAT, shape)]))
+    (softmax,) = graph.nodes
+    patched = softmax.replace(attrs=(*softmax.attrs, ("zero_empty_rows", zero_empty_rows)))
+    graph = graph.replace(nodes=(patched,))
+    return graph, load(compile_graph(optimize(graph), host_target()))
+
+
+@pytest.mark.parametrize("axis", [-1, 1])  # the row kernel, and the general one
+def test_softmax_told_so_gives_zeros_for_a_row_of_minus_infinity(axis):
+    x = RNG.standard_normal((3, 20, 20)).astype(np.float32)
+    x[1, :, 4] = x[1, 4, :] = -np.inf  # a whole row along either axis
+    x[2, 0:10, 7] = x[2, 7, 0:10] = -np.inf  # part of one: an ordinary softmax
+    graph, module = softmax_module([3, 20, 20], axis, 1)
+    expected = run_graph(graph, {"x": x})["y"]
+    assert not np.isnan(expected).any()
+    np.testing.assert_allclose(module.run({"x": x})["y"], expected, rtol=1e-5, atol=1e-7)
+    _, plain = softmax_module([3, 20, 20], axis, 0)
+    assert np.isnan(plain.run({"x": x})["y"]).any()  # without it: NaN, as ONNX Softmax gives
+
+
+def test_fast_exp_flushes_below_flt_min_and_keeps_nan():
+    x = np.array([-np.inf, -100.0, -87.34, -87.0, 0.0, 10.0, np.nan, 1.0] * 2, np.float32)
+    node = helper.make_node("Exp", ["x"], ["y"])
+    model = make_model([node], [("x", FLOAT, [16])], [("y", FLOAT, [16])])
+    y = load(compiler_core.compile(model.SerializeToString())).run({"x": x})["y"]
+    assert np.all(y[:3] == 0) and np.isnan(y[6])
+    tiny = np.finfo(np.float32).tiny
+    assert not np.any((y != 0) & (np.abs(y) < tiny))  # no subnormal result
+    np.testing.assert_allclose(y[[3, 4, 5, 7]], np.exp(x[[3, 4, 5, 7]]), rtol=1e-5)
