@@ -124,6 +124,17 @@ def matmul(name, a_shape, b_shape, b_constant, description=""):
     return Case(name, "matmul", description, build)
 
 
+def attention(name, heads, length, head_size, description="", **attrs):
+    """The ONNX Attention operator (opset 23) over [1, heads, length, head_size] Q, K, V."""
+    shape = [1, heads, length, head_size]
+
+    def build():
+        inputs = {"q": shape, "k": shape, "v": shape}
+        return _model("Attention", inputs, {}, shape, attrs, opset=23)
+
+    return Case(name, "attention", description, build)
+
+
 def unary(name, family, op, shape, attrs=None, out_shape=None, opset=17, description=""):
     def build():
         return _model(op, {"x": shape}, {}, out_shape or shape, attrs, opset)
@@ -419,6 +430,8 @@ CASES: dict[str, Case] = {
             description="ResNet stem pool, plain NCHW",
         ),
         matmul("vecmat_768", [768], [768, 3072], True, description="1-D input, dense layer"),
+        attention("attention_vit", 12, 197, 64, description="ONNX Attention, ViT-B's 12 heads"),
+        attention("attention_causal", 12, 256, 64, is_causal=1, description="causal, 256 tokens"),
         conv_transpose("convT1d_k16s8", 512, 256, [32], 16, 8, 4, description="HiFi-GAN up"),
         lstm("lstm_4", 4, 128, 192, description="torch.nn.LSTM(128, 192), 4 steps"),
         lstm("lstm_512", 512, 128, 192, description="the same over 512 steps (one loop)"),
