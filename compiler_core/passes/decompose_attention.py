@@ -3,14 +3,17 @@
 The Attention operator's own kernel (`kernels/transformer.py`) computes every stage as a
 generic loop nest (0.3 GFLOP/s for 12 heads of 256 x 64), while its parts have fast kernels
 of their own: the batched-GEMM template for Q K^T and P V, the row-softmax kernel, and
-elementwise stages that fuse into the first GEMM's epilogue. So a float Attention that needs
-none of what only the kernel does (a KV cache, per-batch key lengths, the extra outputs) is
-spelled out here in the order the spec computes it:
+elementwise stages that fuse into the first GEMM's epilogue. So an Attention that needs none
+of what only the kernel does (key lengths per batch, the qk_matmul output, a softmax in
+another precision, a mask shorter than the keys, bfloat16) is spelled out here in the order
+the spec computes it:
 
-    [3-D: split heads]  Q * sqrt(scale), K * sqrt(scale)  [GQA: repeat K, V heads]
+    [3-D: split heads]  [KV cache: K = Concat(past K, K), V likewise: the present outputs]
+    [float16: cast to float32]  Q * sqrt(scale), K * sqrt(scale)  [GQA: repeat K, V heads]
     S = Q K^T   [softcap: c * tanh(S / c)]   [float mask: S + M]
-    S = Where(allowed, S, -inf)   (is_causal, the windows and a boolean mask, as one operand)
-    Y = Softmax(S) V   [3-D: merge heads]
+    S = Where(allowed, S, -inf)   (is_causal and the windows from position past + i, and a
+                                   boolean mask, as one operand)
+    Y = Softmax(S) V   [3-D: merge heads]  [float16: cast back]
 
 A row with no allowed key gives zero probabilities (the spec's convention, and the kernel's):
 the Softmax is told so (`zero_empty_rows`) wherever a row may be empty: a mask known only at
@@ -27,6 +30,9 @@ from compiler_core.passes.rewrite import Rewrite
 
 NAME = "decompose_attention"
 FLOATS = ("float32", "float64")
+# Computed in float32 as the kernel does. bfloat16 keeps the operator: the reference executor
+# rounds its every step to bfloat16, as the ONNX reference does and the node suite checks.
+HALVES = ("float16",)
 
 
 class _Rewriter(Rewrite):
@@ -49,10 +55,13 @@ class _Rewriter(Rewrite):
             self.nodes.append(node)
 
     def decompose(self, node: Node) -> None:
-        name = node.name
+        name, dtype = node.name, self.types[node.inputs[0]].dtype
         q = self.heads(node.inputs[0], node.attr("q_num_heads", None), f"{name}_q")
         k = self.heads(node.inputs[1], node.attr("kv_num_heads", None), f"{name}_k")
         v = self.heads(node.inputs[2], node.attr("kv_num_heads", None), f"{name}_v")
+        k, v = self.cached(node, k, v)
+        if dtype not in FLOATS:  # half precision: computed in float32, as the kernel does
+            q, k, v = (self.emit("Cast", f"{name}_wide", [x], to="float32") for x in (q, k, v))
         batch, q_heads, q_len, _ = self.types[q].shape
         kv_heads = self.types[k].shape[1]
         if q_heads != kv_heads:
@@ -61,15 +70,33 @@ class _Rewriter(Rewrite):
         probabilities = self.emit(
             "Softmax", f"{name}_probabilities", [scores], axis=3, zero_empty_rows=may_be_empty
         )
-        y = node.outputs[0]
-        if self.types[node.inputs[0]].rank == 4:
-            self.emit("MatMul", f"{name}_values", [probabilities, v], output=y)
-            return
-        heads_out = self.emit("MatMul", f"{name}_values", [probabilities, v])
-        v_size = self.types[heads_out].shape[3]
-        merged = self.emit("Transpose", f"{name}_merge", [heads_out], perm=(0, 2, 1, 3))
-        self.emit("Reshape", f"{name}_merge", [merged], output=y,
-                  shape=(batch, q_len, q_heads * v_size))  # fmt: skip
+        y = self.emit("MatMul", f"{name}_values", [probabilities, v])
+        if self.types[node.inputs[0]].rank == 3:
+            v_size = self.types[y].shape[3]
+            merged = self.emit("Transpose", f"{name}_merge", [y], perm=(0, 2, 1, 3))
+            y = self.emit("Reshape", f"{name}_merge", [merged],
+                          shape=(batch, q_len, q_heads * v_size))  # fmt: skip
+        if dtype not in FLOATS:
+            y = self.emit("Cast", f"{name}_narrow", [y], to=dtype)
+        # The last node emitted writes the operator's output under its own name.
+        self.nodes[-1] = self.nodes[-1].replace(outputs=(node.outputs[0],))
+        self.types[node.outputs[0]] = self.types.pop(y)
+
+    def cached(self, node: Node, k: str, v: str) -> tuple[str, str]:
+        """K and V after the cache: the past ones followed by the new (the present outputs,
+        where asked for; without a cache, the new ones)."""
+        inputs, outputs = node.inputs, node.outputs
+        pasts = inputs[4:6] if len(inputs) > 5 and inputs[4] else ("", "")
+        presents = [outputs[i] if len(outputs) > i and outputs[i] else "" for i in (1, 2)]
+        result = []
+        for new, past, present in zip((k, v), pasts, presents, strict=True):
+            if past:
+                new = self.emit("Concat", f"{node.name}_cache", [past, new], present or None,
+                                axis=2)  # fmt: skip
+            elif present:
+                self.emit("Identity", f"{node.name}_present", [new], present)
+            result.append(new)
+        return result[0], result[1]
 
     def scores(self, node: Node, q: str, k: str) -> str:
         """Q K^T, Q and K each scaled by sqrt(scale) first (the spec's order), soft-capped."""
@@ -96,8 +123,11 @@ class _Rewriter(Rewrite):
         mask = node.inputs[3] if len(node.inputs) > 3 else ""
         is_bool = bool(mask) and self.types[mask].dtype == "bool"
         if mask and not is_bool:
-            scores = self.emit("Add", f"{name}_biased", [scores, mask])
-        allowed = _allowed_positions(node, q_len, k_len)
+            bias = mask
+            if self.types[mask].dtype != self.types[scores].dtype:  # a float16 mask
+                bias = self.emit("Cast", f"{name}_bias", [mask], to=self.types[scores].dtype)
+            scores = self.emit("Add", f"{name}_biased", [scores, bias])
+        allowed = _allowed_positions(node, q_len, k_len, _past_length(self.types, node))
         keep = mask if is_bool else ""
         if not allowed.all():
             constant = self.constant(allowed, f"{name}_allowed")
@@ -125,10 +155,10 @@ class _Rewriter(Rewrite):
         return self.emit("Reshape", name, [wide], shape=(batch, heads * group, length, size))
 
 
-def _allowed_positions(node: Node, q_len: int, k_len: int) -> np.ndarray:
+def _allowed_positions(node: Node, q_len: int, k_len: int, past: int) -> np.ndarray:
     """[q_len, k_len] booleans: which keys each query may attend under `is_causal` and the
-    windows (no KV cache here: query i sits at position i)."""
-    rows, cols = np.arange(q_len)[:, None], np.arange(k_len)[None, :]
+    windows; query i sits at position past + i (after a KV cache of `past` keys)."""
+    rows, cols = np.arange(q_len)[:, None] + past, np.arange(k_len)[None, :]
     allowed = np.ones((q_len, k_len), bool)
     if node.attr("is_causal", 0):
         allowed &= cols <= rows
@@ -141,23 +171,32 @@ def _allowed_positions(node: Node, q_len: int, k_len: int) -> np.ndarray:
 
 
 def _eligible(graph: Graph, node: Node) -> bool:
-    """A float Attention without what only its kernel does: a KV cache (past inputs), key
-    lengths per batch (nonpad_kv_seqlen), the present and qk_matmul outputs, a softmax in
-    another precision, or a mask shorter than the keys (padded inside the kernel)."""
-    if node.op != "Attention" or any(node.outputs[1:]) or any(node.inputs[4:]):
+    """An Attention without what only its kernel does: key lengths per batch
+    (nonpad_kv_seqlen), the qk_matmul output, half of a KV cache, a softmax in another
+    precision than the one it computes in, or a mask shorter than the keys (padded inside
+    the kernel)."""
+    if node.op != "Attention" or (len(node.outputs) > 3 and node.outputs[3]):
+        return False
+    inputs = [*node.inputs, "", "", "", ""]
+    if inputs[6] or bool(inputs[4]) != bool(inputs[5]):
         return False
     q: TensorType = graph.types[node.inputs[0]]
-    if q.dtype not in FLOATS or node.attr("softmax_precision", q.dtype) != q.dtype:
+    computed = q.dtype if q.dtype in FLOATS else "float32"
+    if q.dtype not in (*FLOATS, *HALVES) or node.attr("softmax_precision", computed) != computed:
         return False
-    mask = node.inputs[3] if len(node.inputs) > 3 else ""
-    if mask:
-        return graph.types[mask].shape[-1] == _key_length(graph, node)
-    return True
+    mask = inputs[3]
+    keys = _key_length(graph, node) + _past_length(graph.types, node)
+    return not mask or graph.types[mask].shape[-1] == keys
 
 
 def _key_length(graph: Graph, node: Node) -> int:
     k = graph.types[node.inputs[1]]
     return k.shape[2] if k.rank == 4 else k.shape[1]
+
+
+def _past_length(types, node: Node) -> int:
+    past = node.inputs[4] if len(node.inputs) > 4 else ""
+    return types[past].shape[2] if past else 0
 
 
 def run(graph: Graph) -> Graph:

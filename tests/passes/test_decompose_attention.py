@@ -25,12 +25,17 @@ RNG = np.random.default_rng(5)
 BOOL = TensorProto.BOOL
 
 
-def attention_model(q, k, v, mask=None, mask_type=FLOAT, outputs=("y",), dtype=FLOAT, **attrs):
+def attention_model(
+    q, k, v, mask=None, mask_type=FLOAT, outputs=("y",), dtype=FLOAT, past=None, **attrs
+):
     inputs = [("q", dtype, q), ("k", dtype, k), ("v", dtype, v)]
     names = ["q", "k", "v"]
     if mask is not None:
         inputs.append(("mask", mask_type, mask))
         names.append("mask")
+    if past is not None:  # [B, kv heads, past length, head size], K's and V's
+        names += [""] * (4 - len(names)) + ["past_key", "past_value"]
+        inputs += [("past_key", dtype, past[0]), ("past_value", dtype, past[1])]
     node = helper.make_node("Attention", names, list(outputs), **attrs)
     # opset 25: the windows' attributes
     model = make_model([node], inputs, [(o, dtype, None) for o in outputs if o], opset=25)
@@ -53,17 +58,24 @@ def feeds_for(graph, masked_row=None):
     return feeds
 
 
-def assert_decomposed_same(model, masked_row=None, decomposed=True):
+def assert_decomposed_same(model, masked_row=None, rtol=1e-4):
+    """Decomposed, the reference executor computes every output as before, and so does the
+    compiled module; the expected "y"."""
     before = import_model(model)
     after = decompose_attention.run(before)
     verify(after)
-    assert any(n.op == "Attention" for n in after.nodes) != decomposed
+    assert not any(n.op == "Attention" for n in after.nodes)
     feeds = feeds_for(before, masked_row)
-    expected = run_graph(before, feeds)["y"]
-    np.testing.assert_allclose(run_graph(after, feeds)["y"], expected, rtol=1e-5, atol=1e-6)
-    native = load(compiler_core.compile(model.SerializeToString())).run(feeds)["y"]
-    np.testing.assert_allclose(native, expected, rtol=1e-4, atol=1e-5)
-    return after, expected
+    expected = run_graph(before, feeds)
+    decomposed = run_graph(after, feeds)
+    native = load(compiler_core.compile(model.SerializeToString())).run(feeds)
+    for name, value in expected.items():
+        value = value.astype(np.float32)
+        np.testing.assert_allclose(decomposed[name].astype(np.float32), value, rtol=rtol,
+                                   atol=rtol / 10)  # fmt: skip
+        np.testing.assert_allclose(native[name].astype(np.float32), value, rtol=rtol,
+                                   atol=rtol / 10)  # fmt: skip
+    return after, expected["y"]
 
 
 def test_4d_with_grouped_heads_and_a_float_mask_is_two_matmuls_around_a_softmax():
@@ -97,21 +109,42 @@ def test_float64_is_decomposed_too():
                                            dtype=TensorProto.DOUBLE))  # fmt: skip
 
 
+def test_float16_is_computed_in_float32_and_cast_back():
+    model = attention_model([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8], dtype=TensorProto.FLOAT16)
+    # The reference rounds each step to float16; the decomposition, as the kernel, does not.
+    after, _ = assert_decomposed_same(model, rtol=5e-3)
+    softmax = next(n for n in after.nodes if n.op == "Softmax")
+    assert after.types[softmax.outputs[0]].dtype == "float32"
+
+
+def test_a_kv_cache_gives_the_present_outputs_and_shifts_the_causal_diagonal():
+    model = attention_model(
+        [1, 4, 3, 8], [1, 2, 3, 8], [1, 2, 3, 8], past=([1, 2, 5, 8], [1, 2, 5, 8]),
+        outputs=("y", "present_key", "present_value"), is_causal=1,
+    )  # fmt: skip
+    after, _ = assert_decomposed_same(model)
+    assert [n.op for n in after.nodes].count("Concat") == 2
+
+
 @pytest.mark.parametrize(
     "why",
-    ["qk_matmul_output", "float16", "softmax_precision", "short mask"],
+    ["qk_matmul_output", "softmax_precision", "short mask", "half a cache"],
 )
 def test_what_only_the_attention_kernel_does_keeps_the_node(why):
     shapes, extra = ([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8]), {}
     if why == "qk_matmul_output":
         extra["outputs"] = ("y", "", "", "qk")
-    elif why == "float16":
-        extra["dtype"] = TensorProto.FLOAT16
+    elif why == "half a cache":
+        extra["past"] = ([1, 2, 5, 8], [1, 2, 5, 8])
     elif why == "softmax_precision":
         extra["softmax_precision"] = TensorProto.DOUBLE
     else:
         extra["mask"] = [4, 5]
-    graph = import_model(attention_model(*shapes, **extra))
+    model = attention_model(*shapes, **extra)
+    if why == "half a cache":  # the past value left out
+        model.graph.node[0].input[5] = ""
+        del model.graph.input[-1]
+    graph = import_model(model)
     assert decompose_attention.run(graph) is graph
 
 
