@@ -26,7 +26,7 @@ import numpy as np
 
 from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.graph.ops import OP_TABLE
-from compiler_core.passes.rewrite import Rewrite
+from compiler_core.passes.rewrite import Decomposition
 
 NAME = "decompose_attention"
 FLOATS = ("float32", "float64")
@@ -35,10 +35,9 @@ FLOATS = ("float32", "float64")
 HALVES = ("float16",)
 
 
-class _Rewriter(Rewrite):
-    def __init__(self, graph: Graph):
-        super().__init__(graph)
-        self.nodes: list[Node] = []
+class _Rewriter(Decomposition):
+    def takes(self, node: Node) -> bool:
+        return _eligible(self.graph, node)
 
     def emit(self, op: str, name: str, inputs, output: str | None = None, **attrs) -> str:
         """One node, its output type inferred by the operator's own rule."""
@@ -47,12 +46,6 @@ class _Rewriter(Rewrite):
         (self.types[output],) = OP_TABLE[op].infer(node, [self.types[i] for i in inputs])[:1]
         self.nodes.append(node)
         return output
-
-    def visit(self, node: Node) -> None:
-        if _eligible(self.graph, node):
-            self.decompose(node)
-        else:
-            self.nodes.append(node)
 
     def decompose(self, node: Node) -> None:
         name, dtype = node.name, self.types[node.inputs[0]].dtype
@@ -200,11 +193,4 @@ def _past_length(types, node: Node) -> int:
 
 
 def run(graph: Graph) -> Graph:
-    if not any(_eligible(graph, node) for node in graph.nodes):
-        return graph
-    rewriter = _Rewriter(graph)
-    for node in graph.nodes:
-        rewriter.visit(node)
-    return graph.replace(
-        nodes=tuple(rewriter.nodes), constants=rewriter.constants, types=rewriter.types
-    )
+    return _Rewriter(graph).run()

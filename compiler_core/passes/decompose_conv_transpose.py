@@ -31,7 +31,7 @@ import numpy as np
 
 from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.kernels.schedules import NCHWC_TILE
-from compiler_core.passes.rewrite import Rewrite
+from compiler_core.passes.rewrite import Decomposition
 
 NAME = "decompose_conv_transpose"
 # Lift 1-D transposed convolutions to 2-D (unit H) so that their phase Conv is blocked.
@@ -111,22 +111,15 @@ def phase_weight(w: np.ndarray, strides, group: int) -> np.ndarray:
     return np.ascontiguousarray(moved.reshape(group * per_group * phases, channels // group, *taps))
 
 
-class _Rewriter(Rewrite):
-    def __init__(self, graph: Graph):
-        super().__init__(graph)
-        self.nodes: list[Node] = []
+class _Rewriter(Decomposition):
+    def takes(self, node: Node) -> bool:
+        return _eligible(self.graph, node)
 
     def emit(self, op: str, name: str, inputs, out_shape, dtype, output=None, **attrs) -> str:
         output = output or self.fresh(f"{name}_out")
         self.types[output] = TensorType(tuple(out_shape), dtype)
         self.nodes.append(Node(op, self.fresh(name), tuple(inputs), (output,), attrs))
         return output
-
-    def visit(self, node: Node) -> None:
-        if _eligible(self.graph, node):
-            self.decompose(node)
-        else:
-            self.nodes.append(node)
 
     def decompose(self, node: Node) -> None:
         x, w_name = node.inputs[0], node.inputs[1]
@@ -197,11 +190,4 @@ def _eligible(graph: Graph, node: Node) -> bool:
 
 
 def run(graph: Graph) -> Graph:
-    if not any(_eligible(graph, node) for node in graph.nodes):
-        return graph
-    rewriter = _Rewriter(graph)
-    for node in graph.nodes:
-        rewriter.visit(node)
-    return graph.replace(
-        nodes=tuple(rewriter.nodes), constants=rewriter.constants, types=rewriter.types
-    )
+    return _Rewriter(graph).run()

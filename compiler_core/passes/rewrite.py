@@ -50,6 +50,34 @@ class Rewrite:
         return len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
 
 
+class Decomposition(Rewrite):
+    """A pass that replaces each node it takes (`takes`) by nodes of its own (`decompose`,
+    appending to `nodes`) and keeps every other node as it is."""
+
+    def __init__(self, graph: Graph):
+        super().__init__(graph)
+        self.nodes: list[Node] = []
+
+    def takes(self, node: Node) -> bool:
+        raise NotImplementedError
+
+    def decompose(self, node: Node) -> None:
+        raise NotImplementedError
+
+    def run(self) -> Graph:
+        """The rewritten graph; the graph itself when no node is taken."""
+        if not any(self.takes(node) for node in self.graph.nodes):
+            return self.graph
+        for node in self.graph.nodes:
+            if self.takes(node):
+                self.decompose(node)
+            else:
+                self.nodes.append(node)
+        return self.graph.replace(
+            nodes=tuple(self.nodes), constants=self.constants, types=self.types
+        )
+
+
 def rename_inputs(node: Node, mapping: Mapping[str, str]) -> Node:
     if not any(name in mapping for name in node.inputs):
         return node
