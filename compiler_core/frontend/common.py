@@ -74,6 +74,10 @@ def tensor_to_array(tensor: TensorProto) -> np.ndarray:
     return np.asarray(numpy_helper.to_array(tensor))
 
 
+# The default ONNX domain, by both of its names.
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
 class ImportContext:
     """What a converter sees: types and known values so far, and where to emit nodes."""
 
@@ -109,7 +113,7 @@ class ImportContext:
 
     def opset_of(self, domain: str) -> int:
         """The model's opset of `domain` (0 where the model does not import it)."""
-        if domain in ("", "ai.onnx"):
+        if domain in DEFAULT_DOMAINS:
             return self.opset
         return self.domain_opsets.get(domain, 0)
 

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
 from compiler_core.frontend.common import (  # noqa: F401 - re-exported: the frontend's API
+    DEFAULT_DOMAINS,
     NUMPY_TO_ONNX,
     ONNX_TO_NUMPY,
     ImportContext,
@@ -32,7 +33,7 @@ from compiler_core.frontend.common import (  # noqa: F401 - re-exported: the fro
     onnx_dtype_name,
     tensor_to_array,
 )
-from compiler_core.frontend.onnx_ops import CONVERTERS, DEFAULT_DOMAINS, convert_node, converter_key
+from compiler_core.frontend.onnx_ops import convert_node, outside_known_domains
 from compiler_core.graph.ir import Graph, TensorType
 
 # 11 is the floor the product promises; older models import where their operators' semantics
@@ -98,7 +99,7 @@ def _raise_unsupported_node(model: onnx.ModelProto) -> None:
         domain = node.domain or ""
         version = opsets.get("" if domain == "ai.onnx" else domain)
         where = f"node {node.name!r}: operator {node.op_type}"
-        if domain not in DEFAULT_DOMAINS and converter_key(node) not in CONVERTERS:
+        if outside_known_domains(node):
             raise UnsupportedError(
                 f"{where} in domain {domain!r} is outside the default ONNX domain; not supported"
             )
@@ -364,7 +365,7 @@ def import_model(
 
 def convert_checked(ctx: ImportContext, node: onnx.NodeProto) -> None:
     """Convert one node into `ctx` after the checks every node passes."""
-    if node.domain not in DEFAULT_DOMAINS and converter_key(node) not in CONVERTERS:
+    if outside_known_domains(node):
         raise UnsupportedError(
             f"node {node.name!r}: operator {node.domain}.{node.op_type} is outside the "
             "default ONNX domain; not supported"

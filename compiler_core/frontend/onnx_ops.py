@@ -27,6 +27,7 @@ from compiler_core.frontend import (
     convert_transformer,
 )
 from compiler_core.frontend.common import (
+    DEFAULT_DOMAINS,
     ImportContext,
     KilnImportError,
     UnsupportedError,
@@ -619,15 +620,18 @@ CONVERTERS: dict[str, dict[int, Converter]] = merge_tables(
 )
 
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
-
-
 def converter_key(node: onnx.NodeProto) -> str:
     """A node's key in CONVERTERS: its operator's name in the default domain, `domain.name`
     in another (the preview domain's FlexAttention: `ai.onnx.preview.FlexAttention`)."""
     if node.domain in DEFAULT_DOMAINS:
         return node.op_type
     return f"{node.domain}.{node.op_type}"
+
+
+def outside_known_domains(node: onnx.NodeProto) -> bool:
+    """Whether `node` belongs to a domain Kiln converts nothing of (a preview operator with a
+    converter is inside)."""
+    return node.domain not in DEFAULT_DOMAINS and converter_key(node) not in CONVERTERS
 
 
 def convert_node(ctx: ImportContext, node: onnx.NodeProto) -> None:

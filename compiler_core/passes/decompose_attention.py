@@ -178,13 +178,11 @@ def _eligible(graph: Graph, node: Node) -> bool:
     if q.dtype not in (*FLOATS, *HALVES) or node.attr("softmax_precision", computed) != computed:
         return False
     mask = inputs[3]
-    keys = _key_length(graph, node) + _past_length(graph.types, node)
-    return not mask or graph.types[mask].shape[-1] == keys
-
-
-def _key_length(graph: Graph, node: Node) -> int:
-    k = graph.types[node.inputs[1]]
-    return k.shape[2] if k.rank == 4 else k.shape[1]
+    if not mask:
+        return True
+    # The keys after the cache: the operator's present_key type says how many.
+    present_key = OP_TABLE["Attention"].infer(node, [graph.types.get(i) for i in node.inputs])[1]
+    return graph.types[mask].shape[-1] == present_key.shape[2]
 
 
 def _past_length(types, node: Node) -> int:
