@@ -105,6 +105,8 @@ SCALAR_TYPES = {
 FAST_MATH = ("contract",)
 # ln(FLT_MIN): the fast exp returns 0 below it (see FunctionEmitter._fast_exp).
 EXP_FLUSH_BELOW = -87.33654475
+# Just past ln(FLT_MAX) (88.7228): the fast exp of anything at or above it overflows to inf.
+EXP_CLAMP_ABOVE = 88.75
 LLVM_INTRINSICS = {
     "exp": "llvm.exp",
     "log": "llvm.log",
@@ -892,11 +894,15 @@ class FunctionEmitter:
         underflow = b.fcmp_ordered("<", x, c(EXP_FLUSH_BELOW))
         nan, given = b.fcmp_unordered("uno", x, x), x  # the clamps would turn NaN into a number
         x = self._binary(b, "max", "float32", x, c(-87.3))
-        x = self._binary(b, "min", "float32", x, c(88.7))
+        x = self._binary(b, "min", "float32", x, c(EXP_CLAMP_ABOVE))
         n = b.call(
             self._intrinsic("llvm.floor", x.type),
             [b.fadd(b.fmul(x, c(1.4426950408889634), flags=FAST_MATH), c(0.5), flags=FAST_MATH)],
         )
+        # 2^128 is not a float: above 127.5 ln2 (88.38) keep n at 127 and let the polynomial
+        # carry the rest (r up to 0.72, relative error ~1e-5), so that e^x stays finite up to
+        # ln(FLT_MAX) and the product overflows to inf past it.
+        n = self._binary(b, "min", "float32", n, c(127.0))
         # x - n ln2 in two parts (Cody-Waite), each an FMA
         high = b.fsub(x, b.fmul(n, c(0.693359375), flags=FAST_MATH), flags=FAST_MATH)
         r = b.fsub(high, b.fmul(n, c(-2.12194440e-4), flags=FAST_MATH), flags=FAST_MATH)

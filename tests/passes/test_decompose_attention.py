@@ -170,12 +170,26 @@ def test_softmax_told_so_gives_zeros_for_a_row_of_minus_infinity(axis):
     assert np.isnan(plain.run({"x": x})["y"]).any()  # without it: NaN, as ONNX Softmax gives
 
 
+def fast_exp(x):
+    node = helper.make_node("Exp", ["x"], ["y"])
+    model = make_model([node], [("x", FLOAT, list(x.shape))], [("y", FLOAT, list(x.shape))])
+    return load(compiler_core.compile(model.SerializeToString())).run({"x": x})["y"]
+
+
 def test_fast_exp_flushes_below_flt_min_and_keeps_nan():
     x = np.array([-np.inf, -100.0, -87.34, -87.0, 0.0, 10.0, np.nan, 1.0] * 2, np.float32)
-    node = helper.make_node("Exp", ["x"], ["y"])
-    model = make_model([node], [("x", FLOAT, [16])], [("y", FLOAT, [16])])
-    y = load(compiler_core.compile(model.SerializeToString())).run({"x": x})["y"]
+    y = fast_exp(x)
     assert np.all(y[:3] == 0) and np.isnan(y[6])
     tiny = np.finfo(np.float32).tiny
     assert not np.any((y != 0) & (np.abs(y) < tiny))  # no subnormal result
     np.testing.assert_allclose(y[[3, 4, 5, 7]], np.exp(x[[3, 4, 5, 7]]), rtol=1e-5)
+
+
+def test_fast_exp_is_finite_up_to_ln_flt_max_and_inf_past_it():
+    # Between 127.5 ln2 (88.38) and ln(FLT_MAX) (88.72) 2^n alone would overflow.
+    finite = np.array([88.0, 88.38, 88.4, 88.5, 88.6, 88.7, 88.72, 50.0] * 2, np.float32)
+    y = fast_exp(finite)
+    assert np.all(np.isfinite(y))
+    np.testing.assert_allclose(y, np.exp(finite.astype(np.float64)), rtol=3e-5)
+    overflow = np.array([88.73, 88.75, 89.0, 100.0, 1e30, np.inf, 88.8, 1000.0] * 2, np.float32)
+    assert np.all(fast_exp(overflow) == np.inf)
