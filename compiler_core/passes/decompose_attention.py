@@ -3,21 +3,29 @@
 The Attention operator's own kernel (`kernels/transformer.py`) computes every stage as a
 generic loop nest (0.3 GFLOP/s for 12 heads of 256 x 64), while its parts have fast kernels
 of their own: the batched-GEMM template for Q K^T and P V, the row-softmax kernel, and
-elementwise stages that fuse into the first GEMM's epilogue. So an Attention that needs none
-of what only the kernel does (key lengths per batch, the qk_matmul output, a softmax in
-another precision, a mask shorter than the keys, bfloat16) is spelled out here in the order
-the spec computes it:
+elementwise stages that fuse into the first GEMM's epilogue. So an Attention is spelled out
+here in the order the spec computes it:
 
     [3-D: split heads]  [KV cache: K = Concat(past K, K), V likewise: the present outputs]
     [float16: cast to float32]  Q * sqrt(scale), K * sqrt(scale)  [GQA: repeat K, V heads]
     S = Q K^T   [softcap: c * tanh(S / c)]   [float mask: S + M]
-    S = Where(allowed, S, -inf)   (is_causal and the windows from position past + i, and a
-                                   boolean mask, as one operand)
-    Y = Softmax(S) V   [3-D: merge heads]  [float16: cast back]
+    S = Where(allowed, S, -inf)   (is_causal and the windows from position past + i, a
+                                   boolean mask, and the keys past each batch's
+                                   nonpad_kv_seqlen, as one operand)
+    P = Softmax(S)  [softmax_precision: in that type]
+    Y = P V   [3-D: merge heads]  [float16: cast back]
+    [qk_matmul_output: the stage its mode names (S raw, soft-capped, masked; P)]
 
 A row with no allowed key gives zero probabilities (the spec's convention, and the kernel's):
-the Softmax is told so (`zero_empty_rows`) wherever a row may be empty: a mask known only at
-run time, or constant masks that leave a row empty.
+the Softmax is told so (`zero_empty_rows`) wherever a row may be empty: a mask or key
+lengths known only at run time, or constant masks that leave a row empty. With key lengths
+per batch (an external cache, `nonpad_kv_seqlen`), query i of batch b sits at position
+nonpad[b] - q_len + i, so the causal and window bounds are compared at run time.
+
+A mask shorter than the keys is padded to them (the keys past it disallowed). What keeps the
+operator (and its kernel): bfloat16 (the reference executor rounds its every step to
+bfloat16, as the ONNX reference does and the node suite checks), half of a KV cache, key
+lengths together with a past cache.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ FLOATS = ("float32", "float64")
 # Computed in float32 as the kernel does. bfloat16 keeps the operator: the reference executor
 # rounds its every step to bfloat16, as the ONNX reference does and the node suite checks.
 HALVES = ("float16",)
+# qk_matmul_output_mode -> the stage it exposes (the operator's reference, graph/ops/transformer.py)
+QK_STAGES = ("raw", "capped", "masked", "probabilities")
 
 
 class _Rewriter(Decomposition):
@@ -59,11 +69,11 @@ class _Rewriter(Decomposition):
         kv_heads = self.types[k].shape[1]
         if q_heads != kv_heads:
             k, v = (self.repeat_heads(x, q_heads // kv_heads, name) for x in (k, v))
-        scores, may_be_empty = self.masked(node, self.scores(node, q, k))
-        probabilities = self.emit(
-            "Softmax", f"{name}_probabilities", [scores], axis=3, zero_empty_rows=may_be_empty
-        )
-        y = self.emit("MatMul", f"{name}_values", [probabilities, v])
+        stages = self.scores(node, q, k)
+        stages["masked"], may_be_empty = self.masked(node, stages["capped"])
+        stages["probabilities"] = self.softmax(node, stages["masked"], may_be_empty)
+        self.qk_output(node, stages, dtype)
+        y = self.emit("MatMul", f"{name}_values", [stages["probabilities"], v])
         if self.types[node.inputs[0]].rank == 3:
             v_size = self.types[y].shape[3]
             merged = self.emit("Transpose", f"{name}_merge", [y], perm=(0, 2, 1, 3))
@@ -91,8 +101,9 @@ class _Rewriter(Decomposition):
             result.append(new)
         return result[0], result[1]
 
-    def scores(self, node: Node, q: str, k: str) -> str:
-        """Q K^T, Q and K each scaled by sqrt(scale) first (the spec's order), soft-capped."""
+    def scores(self, node: Node, q: str, k: str) -> dict[str, str]:
+        """{"raw": Q K^T, Q and K each scaled by sqrt(scale) first (the spec's order),
+        "capped": soft-capped (the raw scores without a softcap)}."""
         name, dtype = node.name, self.types[q].dtype
         scale = node.attr("scale", None)
         scale = 1.0 / np.sqrt(self.types[q].shape[3]) if scale is None else scale
@@ -102,11 +113,36 @@ class _Rewriter(Decomposition):
         scores = self.emit("MatMul", f"{name}_scores", [self.emit("Mul", name, [q, root]), keys])
         softcap = node.attr("softcap", 0.0)
         if softcap <= 0:
-            return scores
+            return {"raw": scores, "capped": scores}
         inverse = self.constant(np.asarray(1.0 / softcap, dtype), f"{name}_inverse_cap")
         capped = self.emit("Tanh", name, [self.emit("Mul", name, [scores, inverse])])
         cap = self.constant(np.asarray(softcap, dtype), f"{name}_cap")
-        return self.emit("Mul", f"{name}_capped", [capped, cap])
+        return {"raw": scores, "capped": self.emit("Mul", f"{name}_capped", [capped, cap])}
+
+    def softmax(self, node: Node, scores: str, may_be_empty: int) -> str:
+        """The probabilities, in `softmax_precision` where it differs from the scores' type."""
+        name, computed = node.name, self.types[scores].dtype
+        precision = node.attr("softmax_precision", computed)
+        if precision != computed:
+            scores = self.emit("Cast", f"{name}_softmax_in", [scores], to=precision)
+        probabilities = self.emit(
+            "Softmax", f"{name}_probabilities", [scores], axis=3, zero_empty_rows=may_be_empty
+        )
+        if precision != computed:
+            probabilities = self.emit("Cast", f"{name}_softmax_out", [probabilities], to=computed)
+        return probabilities
+
+    def qk_output(self, node: Node, stages: dict[str, str], dtype: str) -> None:
+        """The optional fourth output: the stage `qk_matmul_output_mode` names, in the
+        operator's type."""
+        output = node.outputs[3] if len(node.outputs) > 3 else ""
+        if not output:
+            return
+        stage = stages[QK_STAGES[node.attr("qk_matmul_output_mode", 0)]]
+        if self.types[stage].dtype != dtype:
+            self.emit("Cast", f"{node.name}_qk", [stage], output, to=dtype)
+        else:
+            self.emit("Identity", f"{node.name}_qk", [stage], output)
 
     def masked(self, node: Node, scores: str) -> tuple[str, int]:
         """The scores with the float mask added and every disallowed key at -inf (is_causal,
@@ -115,20 +151,62 @@ class _Rewriter(Decomposition):
         name, (_, _, q_len, k_len) = node.name, self.types[scores].shape
         mask = node.inputs[3] if len(node.inputs) > 3 else ""
         is_bool = bool(mask) and self.types[mask].dtype == "bool"
+        if mask and self.types[mask].shape[-1] < k_len:
+            mask = self.padded_mask(node, mask, k_len)
         if mask and not is_bool:
             bias = mask
             if self.types[mask].dtype != self.types[scores].dtype:  # a float16 mask
                 bias = self.emit("Cast", f"{name}_bias", [mask], to=self.types[scores].dtype)
             scores = self.emit("Add", f"{name}_biased", [scores, bias])
-        allowed = _allowed_positions(node, q_len, k_len, _past_length(self.types, node))
         keep = mask if is_bool else ""
-        if not allowed.all():
-            constant = self.constant(allowed, f"{name}_allowed")
-            keep = self.emit("And", f"{name}_keep", [mask, constant]) if keep else constant
+        lengths = node.inputs[6] if len(node.inputs) > 6 else ""
+        if lengths:
+            by_length = self.allowed_by_length(node, lengths, q_len, k_len)
+            keep = self.emit("And", f"{name}_keep", [keep, by_length]) if keep else by_length
+            may_be_empty = True
+        else:
+            allowed = _allowed_positions(node, q_len, k_len, _past_length(self.types, node))
+            if not allowed.all():
+                constant = self.constant(allowed, f"{name}_allowed")
+                keep = self.emit("And", f"{name}_keep", [keep, constant]) if keep else constant
+            may_be_empty = bool(mask) or not allowed.any(axis=1).all()
         if keep:
             minus_inf = self.constant(np.asarray(-np.inf, self.types[scores].dtype), name)
             scores = self.emit("Where", f"{name}_masked", [keep, scores, minus_inf])
-        return scores, int(bool(mask) or not allowed.any(axis=1).all())
+        return scores, int(may_be_empty)
+
+    def padded_mask(self, node: Node, mask: str, k_len: int) -> str:
+        """A mask shorter than the keys (one for the valid keys of a padded cache) padded to
+        them: the keys past it are disallowed (False, or -inf)."""
+        t = self.types[mask]
+        pads = [0] * (2 * t.rank)
+        pads[-1] = k_len - t.shape[-1]
+        value = False if t.dtype == "bool" else -np.inf
+        return self.emit("Pad", f"{node.name}_mask", [mask], pads=tuple(pads), value=value)
+
+    def allowed_by_length(self, node: Node, lengths: str, q_len: int, k_len: int) -> str:
+        """[B, 1, q_len, k_len] booleans, computed at run time from the key lengths per batch
+        (an external cache: key j of batch b is valid below lengths[b], and query i sits at
+        position lengths[b] - q_len + i): the valid keys that `_bounds` allows."""
+        name = node.name
+        batch = self.types[lengths].shape[0]
+        lengths = self.emit("Reshape", f"{name}_lengths", [lengths], shape=(batch, 1, 1, 1))
+        columns = self.constant(np.arange(k_len, dtype=np.int64).reshape(1, 1, 1, k_len), name)
+        keep = self.emit("Less", f"{name}_valid", [columns, lengths])
+        bounds = _bounds(node)
+        if not bounds:
+            return keep
+        first = self.emit("Sub", f"{name}_offset", [lengths, self.constant(np.int64(q_len), name)])
+        diagonal = self.constant(_diagonal(q_len, k_len, 0), f"{name}_diagonal")
+        for op, shift in bounds:
+            bound = first
+            if shift:
+                bound = self.emit(
+                    "Add", f"{name}_bound", [first, self.constant(np.int64(shift), name)]
+                )
+            allowed = self.emit(op, f"{name}_bounded", [diagonal, bound])
+            keep = self.emit("And", f"{name}_keep", [keep, allowed])
+        return keep
 
     def heads(self, value: str, heads: int | None, name: str) -> str:
         """[B, S, H * D] split into [B, H, S, D]; a 4-D operand as it is."""
@@ -148,41 +226,50 @@ class _Rewriter(Decomposition):
         return self.emit("Reshape", name, [wide], shape=(batch, heads * group, length, size))
 
 
+# How is_causal and the windows bound key j of query i, at position offset + i: through
+# j - i compared with offset + shift (the comparison's ONNX op, and its numpy twin).
+COMPARISONS = {"LessOrEqual": np.less_equal, "GreaterOrEqual": np.greater_equal}
+
+
+def _bounds(node: Node) -> list[tuple[str, int]]:
+    """[(op, shift)]: key j is allowed to query i at position offset + i where
+    (j - i) op (offset + shift) holds for each."""
+    bounds = []
+    if node.attr("is_causal", 0):
+        bounds.append(("LessOrEqual", 0))
+    left, right = node.attr("left_window_size", -1), node.attr("right_window_size", -1)
+    if left >= 0:
+        bounds.append(("GreaterOrEqual", -left))
+    if right >= 0:
+        bounds.append(("LessOrEqual", right))
+    return bounds
+
+
+def _diagonal(q_len: int, k_len: int, offset: int) -> np.ndarray:
+    """[q_len, k_len] int64: j - i - offset, key j's distance from query i at offset + i."""
+    return np.arange(k_len, dtype=np.int64)[None, :] - np.arange(q_len)[:, None] - offset
+
+
 def _allowed_positions(node: Node, q_len: int, k_len: int, past: int) -> np.ndarray:
     """[q_len, k_len] booleans: which keys each query may attend under `is_causal` and the
     windows; query i sits at position past + i (after a KV cache of `past` keys)."""
-    rows, cols = np.arange(q_len)[:, None] + past, np.arange(k_len)[None, :]
     allowed = np.ones((q_len, k_len), bool)
-    if node.attr("is_causal", 0):
-        allowed &= cols <= rows
-    left, right = node.attr("left_window_size", -1), node.attr("right_window_size", -1)
-    if left >= 0:
-        allowed &= cols >= rows - left
-    if right >= 0:
-        allowed &= cols <= rows + right
+    for op, shift in _bounds(node):
+        allowed &= COMPARISONS[op](_diagonal(q_len, k_len, past), shift)
     return allowed
 
 
 def _eligible(graph: Graph, node: Node) -> bool:
-    """An Attention without what only its kernel does: key lengths per batch
-    (nonpad_kv_seqlen), the qk_matmul output, half of a KV cache, a softmax in another
-    precision than the one it computes in, or a mask shorter than the keys (padded inside
-    the kernel)."""
-    if node.op != "Attention" or (len(node.outputs) > 3 and node.outputs[3]):
+    """An Attention without what only its kernel does: bfloat16, half of a KV cache, key
+    lengths per batch together with a past cache, or a softmax in bfloat16."""
+    if node.op != "Attention":
         return False
     inputs = [*node.inputs, "", "", "", ""]
-    if inputs[6] or bool(inputs[4]) != bool(inputs[5]):
+    if bool(inputs[4]) != bool(inputs[5]) or (inputs[6] and inputs[4]):
         return False
     q: TensorType = graph.types[node.inputs[0]]
-    computed = q.dtype if q.dtype in FLOATS else "float32"
-    if q.dtype not in (*FLOATS, *HALVES) or node.attr("softmax_precision", computed) != computed:
-        return False
-    mask = inputs[3]
-    if not mask:
-        return True
-    # The keys after the cache: the operator's present_key type says how many.
-    present_key = OP_TABLE["Attention"].infer(node, [graph.types.get(i) for i in node.inputs])[1]
-    return graph.types[mask].shape[-1] == present_key.shape[2]
+    precision = node.attr("softmax_precision", "float32")
+    return q.dtype in (*FLOATS, *HALVES) and precision in (*FLOATS, *HALVES)
 
 
 def _past_length(types, node: Node) -> int:

@@ -1,7 +1,7 @@
-"""decompose_attention: a float Attention without a KV cache becomes MatMul / Softmax / MatMul
-and computes what the Attention operator does (numpy reference executor on both graphs, and
-the compiled module against the original graph); what only the Attention kernel does keeps the
-node. Also the two kernel fixes it needed: a Softmax row with no allowed entry gives zeros
+"""decompose_attention: a float Attention becomes MatMul / Softmax / MatMul and computes what
+the Attention operator does (numpy reference executor on both graphs, and the compiled module
+against the original graph), every output included; what only the Attention kernel does keeps
+the node. Also the two kernel fixes it needed: a Softmax row with no allowed entry gives zeros
 when told so, and the fast exp flushes to zero below FLT_MIN (exp(-inf) = 0, no subnormals)."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ BOOL = TensorProto.BOOL
 
 
 def attention_model(
-    q, k, v, mask=None, mask_type=FLOAT, outputs=("y",), dtype=FLOAT, past=None, **attrs
-):
+    q, k, v, mask=None, mask_type=FLOAT, outputs=("y",), dtype=FLOAT, past=None, lengths=False,
+    **attrs,
+):  # fmt: skip
     inputs = [("q", dtype, q), ("k", dtype, k), ("v", dtype, v)]
     names = ["q", "k", "v"]
     if mask is not None:
@@ -36,6 +37,9 @@ def attention_model(
     if past is not None:  # [B, kv heads, past length, head size], K's and V's
         names += [""] * (4 - len(names)) + ["past_key", "past_value"]
         inputs += [("past_key", dtype, past[0]), ("past_value", dtype, past[1])]
+    if lengths:  # nonpad_kv_seqlen: the valid keys of each batch in an external cache
+        names += [""] * (6 - len(names)) + ["lengths"]
+        inputs.append(("lengths", TensorProto.INT64, [q[0]]))
     node = helper.make_node("Attention", names, list(outputs), **attrs)
     # opset 25: the windows' attributes
     model = make_model([node], inputs, [(o, dtype, None) for o in outputs if o], opset=25)
@@ -44,11 +48,13 @@ def attention_model(
     return model
 
 
-def feeds_for(graph, masked_row=None):
+def feeds_for(graph, masked_row=None, lengths=None):
     feeds = {}
     for name in graph.inputs:
         t = graph.types[name]
-        if t.dtype == "bool":
+        if name == "lengths":
+            feeds[name] = np.asarray(lengths, np.int64)
+        elif t.dtype == "bool":
             keep = RNG.random(t.shape) > 0.3
             if masked_row is not None:
                 keep[..., masked_row, :] = False
@@ -58,14 +64,14 @@ def feeds_for(graph, masked_row=None):
     return feeds
 
 
-def assert_decomposed_same(model, masked_row=None, rtol=1e-4):
+def assert_decomposed_same(model, masked_row=None, rtol=1e-4, lengths=None):
     """Decomposed, the reference executor computes every output as before, and so does the
     compiled module; the expected "y"."""
     before = import_model(model)
     after = decompose_attention.run(before)
     verify(after)
     assert not any(n.op == "Attention" for n in after.nodes)
-    feeds = feeds_for(before, masked_row)
+    feeds = feeds_for(before, masked_row, lengths)
     expected = run_graph(before, feeds)
     decomposed = run_graph(after, feeds)
     native = load(compiler_core.compile(model.SerializeToString())).run(feeds)
@@ -126,24 +132,69 @@ def test_a_kv_cache_gives_the_present_outputs_and_shifts_the_causal_diagonal():
     assert [n.op for n in after.nodes].count("Concat") == 2
 
 
-@pytest.mark.parametrize(
-    "why",
-    ["qk_matmul_output", "softmax_precision", "short mask", "half a cache"],
-)
+@pytest.mark.parametrize("lengths", [[5, 2, 7], [3, 0, 1]])  # the second: rows left empty
+@pytest.mark.parametrize("causal", [0, 1])
+def test_key_lengths_per_batch_mask_the_padding_and_place_the_queries_at_the_end(lengths, causal):
+    """An external cache (nonpad_kv_seqlen): batch b's keys past lengths[b] are padding, and
+    its queries sit at positions lengths[b] - q_len + i (a negative offset leaves rows with
+    no key: zeros)."""
+    model = attention_model(
+        [3, 4, 2, 8], [3, 2, 7, 8], [3, 2, 7, 4], lengths=True, is_causal=causal,
+        left_window_size=3,
+    )  # fmt: skip
+    after, expected = assert_decomposed_same(model, lengths=lengths)
+    assert not np.isnan(expected).any()
+    assert next(n for n in after.nodes if n.op == "Softmax").attr("zero_empty_rows") == 1
+
+
+def test_key_lengths_with_a_short_boolean_mask_for_one_query_each():
+    """A decode step: one query a batch; the mask covers the first keys, the rest padded out."""
+    model = attention_model(
+        [2, 3, 1, 8], [2, 3, 6, 8], [2, 3, 6, 8], mask=[2, 3, 1, 4], mask_type=BOOL,
+        lengths=True, is_causal=1,
+    )  # fmt: skip
+    after, _ = assert_decomposed_same(model, lengths=[6, 3])
+    assert "Pad" in [n.op for n in after.nodes]
+
+
+def test_a_float_mask_shorter_than_the_keys_disallows_the_keys_past_it():
+    model = attention_model([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8], mask=[4, 5])
+    assert_decomposed_same(model)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [FLOAT, TensorProto.FLOAT16])
+def test_each_qk_matmul_output_mode_exposes_its_stage(mode, dtype):
+    """Raw scores, soft-capped, masked (-inf where disallowed), probabilities: in the
+    operator's type."""
+    model = attention_model(
+        [1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8], mask=[4, 6], outputs=("y", "", "", "qk"),
+        dtype=dtype, softcap=3.0, is_causal=1, qk_matmul_output_mode=mode,
+    )  # fmt: skip
+    assert_decomposed_same(model, rtol=1e-4 if dtype == FLOAT else 5e-3)
+
+
+@pytest.mark.parametrize("precision", [TensorProto.DOUBLE, TensorProto.FLOAT16])
+def test_a_softmax_precision_computes_the_softmax_in_that_type(precision):
+    model = attention_model([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8], softmax_precision=precision)
+    after, _ = assert_decomposed_same(model, rtol=1e-4 if precision == TensorProto.DOUBLE else 2e-3)
+    softmax = next(n for n in after.nodes if n.op == "Softmax")
+    wanted = "float64" if precision == TensorProto.DOUBLE else "float16"
+    assert after.types[softmax.outputs[0]].dtype == wanted
+
+
+@pytest.mark.parametrize("why", ["half a cache", "key lengths and a past cache", "bfloat16"])
 def test_what_only_the_attention_kernel_does_keeps_the_node(why):
     shapes, extra = ([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8]), {}
-    if why == "qk_matmul_output":
-        extra["outputs"] = ("y", "", "", "qk")
-    elif why == "half a cache":
-        extra["past"] = ([1, 2, 5, 8], [1, 2, 5, 8])
-    elif why == "softmax_precision":
-        extra["softmax_precision"] = TensorProto.DOUBLE
+    if why == "bfloat16":
+        extra["dtype"] = TensorProto.BFLOAT16
     else:
-        extra["mask"] = [4, 5]
+        extra["past"] = ([1, 2, 5, 8], [1, 2, 5, 8])
+        extra["lengths"] = why == "key lengths and a past cache"
     model = attention_model(*shapes, **extra)
     if why == "half a cache":  # the past value left out
         model.graph.node[0].input[5] = ""
-        del model.graph.input[-1]
+        model.graph.input.remove(model.graph.input[-1])
     graph = import_model(model)
     assert decompose_attention.run(graph) is graph
 
