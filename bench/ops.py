@@ -124,13 +124,15 @@ def matmul(name, a_shape, b_shape, b_constant, description=""):
     return Case(name, "matmul", description, build)
 
 
-def attention(name, heads, length, head_size, description="", **attrs):
-    """The ONNX Attention operator (opset 23) over [1, heads, length, head_size] Q, K, V."""
-    shape = [1, heads, length, head_size]
+def attention(name, heads, length, head_size, kv_heads=None, queries=None, description="", **attrs):
+    """The ONNX Attention operator (opset 23) over [1, heads, queries, head_size] Q and
+    [1, kv_heads, length, head_size] K, V (by default as many heads and queries as keys)."""
+    q_shape = [1, heads, queries or length, head_size]
+    kv_shape = [1, kv_heads or heads, length, head_size]
 
     def build():
-        inputs = {"q": shape, "k": shape, "v": shape}
-        return _model("Attention", inputs, {}, shape, attrs, opset=23)
+        inputs = {"q": q_shape, "k": kv_shape, "v": kv_shape}
+        return _model("Attention", inputs, {}, q_shape, attrs, opset=23)
 
     return Case(name, "attention", description, build)
 
@@ -432,6 +434,25 @@ CASES: dict[str, Case] = {
         matmul("vecmat_768", [768], [768, 3072], True, description="1-D input, dense layer"),
         attention("attention_vit", 12, 197, 64, description="ONNX Attention, ViT-B's 12 heads"),
         attention("attention_causal", 12, 256, 64, is_causal=1, description="causal, 256 tokens"),
+        attention(
+            "attention_gqa_prefill",
+            32,
+            256,
+            128,
+            kv_heads=8,
+            is_causal=1,
+            description="grouped-query, 32 heads on 8, causal, 256 tokens",
+        ),
+        attention(
+            "attention_gqa_decode",
+            32,
+            1024,
+            128,
+            kv_heads=8,
+            queries=1,
+            is_causal=1,
+            description="grouped-query decode step, 1024 keys",
+        ),
         conv_transpose("convT1d_k16s8", 512, 256, [32], 16, 8, 4, description="HiFi-GAN up"),
         lstm("lstm_4", 4, 128, 192, description="torch.nn.LSTM(128, 192), 4 steps"),
         lstm("lstm_512", 512, 128, 192, description="the same over 512 steps (one loop)"),

@@ -181,8 +181,9 @@ class _Rewriter(Decomposition):
 
     def masked(self, node: Node, scores: str, fold: _Fold) -> tuple[str, int]:
         """The scores with the float mask added and every disallowed key at -inf (is_causal,
-        the windows and a boolean mask in one Where); and whether a row may be left with no
-        key (1: a mask known only at run time, or constant masks that empty a row)."""
+        the windows, a boolean mask and key lengths in one Where), in the grouped rows of
+        `fold`; and whether a row may be left with no key (1: a mask or key lengths known only
+        at run time, or constant masks that empty a row)."""
         name, q_len, k_len = node.name, fold.q_len, self.types[scores].shape[3]
         mask = node.inputs[3] if len(node.inputs) > 3 else ""
         is_bool = bool(mask) and self.types[mask].dtype == "bool"
