@@ -86,9 +86,8 @@ class _Rewriter(Decomposition):
                           shape=(batch, q_len, q_heads * v_size))  # fmt: skip
         if dtype not in FLOATS:
             y = self.emit("Cast", f"{name}_narrow", [y], to=dtype)
-        # The last node emitted writes the operator's output under its own name.
-        self.nodes[-1] = self.nodes[-1].replace(outputs=(node.outputs[0],))
-        self.types[node.outputs[0]] = self.types.pop(y)
+        # The operator's output under its own name (eliminate_identity renames y's producer).
+        self.emit("Identity", f"{name}_y", [y], node.outputs[0])
 
     def cached(self, node: Node, k: str, v: str) -> tuple[str, str]:
         """K and V after the cache: the past ones followed by the new (the present outputs,
