@@ -7,7 +7,7 @@ elementwise stages that fuse into the first GEMM's epilogue. So an Attention is 
 here in the order the spec computes it:
 
     [3-D: split heads]  [KV cache: K = Concat(past K, K), V likewise: the present outputs]
-    [16-bit floats: cast to float32]  Q * sqrt(scale), K * sqrt(scale)
+    [16-bit floats: cast to float32]  Q * scale
     [GQA: each K/V head's query heads stacked as rows: Q [B, kv heads, group x q_len, D]]
     S = Q K^T   [softcap: c * tanh(S / c)]   [float mask: S + M]
     S = Where(allowed, S, -inf)   (is_causal and the windows from position past + i, a
@@ -106,15 +106,20 @@ class _Rewriter(Decomposition):
         return result[0], result[1]
 
     def scores(self, node: Node, q: str, k: str) -> dict[str, str]:
-        """{"raw": Q K^T, Q and K each scaled by sqrt(scale) first (the spec's order),
-        "capped": soft-capped (the raw scores without a softcap)}."""
+        """{"raw": Q K^T scaled, "capped": soft-capped (the raw scores without a softcap)}.
+
+        The spec scales Q and K by sqrt(scale) each, so that 16-bit products stay in range;
+        computed in float32 or float64 (16-bit inputs are cast first), Q alone takes the whole
+        scale, one multiply on the smaller side (a decode step's few query rows) instead of
+        one on every cached key as well. The key transpose stays a kernel of its own (a GQA
+        decode step on 1024 keys: 0.136 of 0.27 ms): the MatMul template does not fuse a
+        producer of B."""
         name, dtype = node.name, self.types[q].dtype
         scale = node.attr("scale", None)
         scale = 1.0 / np.sqrt(self.types[q].shape[3]) if scale is None else scale
-        root = self.constant(np.asarray(np.sqrt(scale), dtype), f"{name}_root_scale")
-        keys = self.emit("Mul", name, [k, root])
-        keys = self.emit("Transpose", f"{name}_keys", [keys], perm=(0, 1, 3, 2))
-        scores = self.emit("MatMul", f"{name}_scores", [self.emit("Mul", name, [q, root]), keys])
+        factor = self.constant(np.asarray(scale, dtype), f"{name}_scale")
+        keys = self.emit("Transpose", f"{name}_keys", [k], perm=(0, 1, 3, 2))
+        scores = self.emit("MatMul", f"{name}_scores", [self.emit("Mul", name, [q, factor]), keys])
         softcap = node.attr("softcap", 0.0)
         if softcap <= 0:
             return {"raw": scores, "capped": scores}
