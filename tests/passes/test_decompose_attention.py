@@ -1,7 +1,7 @@
 """decompose_attention: a float Attention becomes MatMul / Softmax / MatMul and computes what
 the Attention operator does (numpy reference executor on both graphs, and the compiled module
-against the original graph), every output included; what only the Attention kernel does keeps
-the node. Also the two kernel fixes it needed: a Softmax row with no allowed entry gives zeros
+against the original graph), every output included; what the spec does not allow is refused
+by name. Also the two kernel fixes it needed: a Softmax row with no allowed entry gives zeros
 when told so, and the fast exp flushes to zero below FLT_MIN (exp(-inf) = 0, no subnormals)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 import compiler_core
 from compiler_core.compiler import compile_graph
 from compiler_core.frontend.onnx import import_model
+from compiler_core.graph.ops.base import ShapeError
 from compiler_core.graph.verify import verify
 from compiler_core.passes import decompose_attention
 from compiler_core.passes.pipeline import optimize
@@ -218,15 +219,16 @@ def test_bfloat16_is_computed_in_float32_and_cast_back():
 
 
 @pytest.mark.parametrize("why", ["half a cache", "key lengths and a past cache"])
-def test_what_only_the_attention_kernel_does_keeps_the_node(why):
+def test_what_the_spec_does_not_allow_is_refused_by_name(why):
     shapes = ([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8])
     extra = {"past": ([1, 2, 5, 8], [1, 2, 5, 8]), "lengths": why == "key lengths and a past cache"}
     model = attention_model(*shapes, **extra)
     if why == "half a cache":  # the past value left out
         model.graph.node[0].input[5] = ""
         model.graph.input.remove(model.graph.input[-1])
-    graph = import_model(model)
-    assert decompose_attention.run(graph) is graph
+    wanted = "come together" if why == "half a cache" else "cannot be combined"
+    with pytest.raises(ShapeError, match=f"node 'Attention'.*{wanted}"):
+        import_model(model)
 
 
 def softmax_module(shape, axis, zero_empty_rows):

@@ -24,7 +24,7 @@ def _allowed_keys(node, q_len, k_len, batch, past_len, nonpad):
     if nonpad is not None:
         valid = cols[None] < nonpad.reshape(-1, 1, 1)
         allowed &= valid[:, None]
-        offsets = nonpad.reshape(-1) - q_len if past_len is None else np.full(batch, past_len)
+        offsets = nonpad.reshape(-1) - q_len  # never with a past cache (the type rule)
     else:
         offsets = np.full(batch, past_len or 0)
     left, right = node.attr("left_window_size", -1), node.attr("right_window_size", -1)
@@ -162,7 +162,15 @@ def _heads_shape(t: TensorType, heads: int | None, what: str) -> tuple[int, int,
 
 def _attention_rule(node, types):
     q, k, v = types[0], types[1], types[2]
-    past_key = types[4] if len(types) > 4 else None
+    given = [bool(name) for name in (*node.inputs, "", "", "", "")[:7]]
+    if given[4] != given[5]:
+        raise ShapeError("past_key and past_value come together: one was given without the other")
+    if given[6] and given[4]:
+        raise ShapeError(
+            "nonpad_kv_seqlen (an external cache's key lengths) cannot be combined with "
+            "past_key / past_value (an internal cache)"
+        )
+    past_key = types[4] if given[4] else None
     b, q_heads, q_len, _ = _heads_shape(q, node.attr("q_num_heads", None), "query")
     _, kv_heads, k_len, head_size = _heads_shape(k, node.attr("kv_num_heads", None), "key")
     _, _, _, v_size = _heads_shape(v, node.attr("kv_num_heads", None), "value")
