@@ -43,7 +43,7 @@ def convert_attention(ctx, node, attrs):
 def convert_flex_attention(ctx, node, attrs):
     """ai.onnx.preview FlexAttention: softmax(score_mod(Q K^T * scale)), prob_mod, then @ V.
 
-    Without modifiers it is the Attention operator (one fused kernel). With them, the
+    Without modifiers it is the Attention operator (decomposed by the pipeline). With them, the
     computation is spelled out in the spec's order so each modifier graph is inlined at its
     stage: scores and probabilities in the softmax precision (float32 for 16-bit inputs), the
     output cast back to V's type, as the ONNX reference computes it."""

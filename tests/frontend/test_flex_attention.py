@@ -1,4 +1,4 @@
-"""ai.onnx.preview FlexAttention: without modifiers it imports as the fused Attention operator,
+"""ai.onnx.preview FlexAttention: without modifiers it imports as the Attention operator,
 with them as the spec's stages with each modifier graph inlined; compiled natively and checked
 against the ONNX reference evaluator. Malformed nodes get an error that names them."""
 
