@@ -112,15 +112,26 @@ class _Rewriter(Decomposition):
         The spec scales Q and K by sqrt(scale) each, so that 16-bit products stay in range;
         computed in float32 or float64 (16-bit inputs are cast first), Q alone takes the whole
         scale, one multiply on the smaller side (a decode step's few query rows) instead of
-        one on every cached key as well. The key transpose stays a kernel of its own (a GQA
-        decode step on 1024 keys: 0.136 of 0.27 ms): the MatMul template does not fuse a
-        producer of B."""
+        one on every cached key as well.
+
+        The GEMM template reads B as [K, N], so one operand is transposed first, a kernel of
+        its own: K (keys x head size values), or, as S^T = K Q^T, Q and then S^T (rows x
+        (head size + keys)), whichever moves fewer values. A decode step's few rows take the
+        second (32 heads on 8 of 1024 keys: the key transpose was 0.136 of 0.27 ms)."""
         name, dtype = node.name, self.types[q].dtype
+        _, _, rows, size = self.types[q].shape
+        keys = self.types[k].shape[2]
         scale = node.attr("scale", None)
-        scale = 1.0 / np.sqrt(self.types[q].shape[3]) if scale is None else scale
+        scale = 1.0 / np.sqrt(size) if scale is None else scale
         factor = self.constant(np.asarray(scale, dtype), f"{name}_scale")
-        keys = self.emit("Transpose", f"{name}_keys", [k], perm=(0, 1, 3, 2))
-        scores = self.emit("MatMul", f"{name}_scores", [self.emit("Mul", name, [q, factor]), keys])
+        queries = self.emit("Mul", name, [q, factor])
+        if rows * (size + keys) < keys * size:
+            queries = self.emit("Transpose", f"{name}_queries", [queries], perm=(0, 1, 3, 2))
+            flipped = self.emit("MatMul", f"{name}_scores", [k, queries])
+            scores = self.emit("Transpose", f"{name}_scores", [flipped], perm=(0, 1, 3, 2))
+        else:
+            transposed = self.emit("Transpose", f"{name}_keys", [k], perm=(0, 1, 3, 2))
+            scores = self.emit("MatMul", f"{name}_scores", [queries, transposed])
         softcap = node.attr("softcap", 0.0)
         if softcap <= 0:
             return {"raw": scores, "capped": scores}
