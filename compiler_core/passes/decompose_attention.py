@@ -9,7 +9,7 @@ the order the spec computes it:
     [3-D: split heads]  [KV cache: K = Concat(past K, K), V likewise: the present outputs]
     [16-bit floats: cast to float32]  Q * scale
     [GQA: each K/V head's query heads stacked as rows: Q [B, kv heads, group x q_len, D]]
-    S = Q K^T   [softcap: c * tanh(S / c)]   [float mask: S + M]
+    S = Q K^T (few query rows: (K Q^T)^T)   [softcap: c * tanh(S / c)]   [float mask: S + M]
     S = Where(allowed, S, -inf)   (is_causal and the windows from position past + i, a
                                    boolean mask, and the keys past each batch's
                                    nonpad_kv_seqlen, as one operand)
@@ -17,11 +17,11 @@ the order the spec computes it:
     Y = P V   [3-D: merge heads]  [16-bit floats: cast back]
     [qk_matmul_output: the stage its mode names (S raw, soft-capped, masked; P)]
 
-A row with no allowed key gives zero probabilities (the spec's convention):
-the Softmax is told so (`zero_empty_rows`) wherever a row may be empty: a mask or key
-lengths known only at run time, or constant masks that leave a row empty. With key lengths
-per batch (an external cache, `nonpad_kv_seqlen`), query i of batch b sits at position
-nonpad[b] - q_len + i, so the causal and window bounds are compared at run time.
+A row with no allowed key gives zero probabilities (the spec's convention): the Softmax is
+told so (`zero_empty_rows`) wherever a row may be empty: a mask or key lengths known only at
+run time, or constant masks that leave a row empty. With key lengths per batch (an external
+cache, `nonpad_kv_seqlen`), query i of batch b sits at position nonpad[b] - q_len + i, so the
+causal and window bounds are compared at run time.
 
 A mask shorter than the keys is padded to them (the keys past it disallowed).
 """
