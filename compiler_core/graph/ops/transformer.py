@@ -177,6 +177,8 @@ def _attention_rule(node, types):
     if kv_heads == 0 or q_heads % kv_heads:
         raise ShapeError(f"{q_heads} query heads do not group over {kv_heads} key/value heads")
     total = k_len + (past_key.shape[2] if past_key is not None else 0)
+    if given[3] and types[3].shape[-1] > total:
+        raise ShapeError(f"attn_mask {types[3]} covers more keys than the {total} there are")
     y = (b, q_len, q_heads * v_size) if q.rank == 3 else (b, q_heads, q_len, v_size)
     shapes = [y, (b, kv_heads, total, head_size), (b, kv_heads, total, v_size)]
     shapes.append((b, q_heads, q_len, total))
