@@ -296,3 +296,61 @@ def test_fast_exp_is_finite_up_to_ln_flt_max_and_inf_past_it():
     np.testing.assert_allclose(y, np.exp(finite.astype(np.float64)), rtol=3e-5)
     overflow = np.array([88.73, 88.75, 89.0, 100.0, 1e30, np.inf, 88.8, 1000.0] * 2, np.float32)
     assert np.all(fast_exp(overflow) == np.inf)
+
+
+def random_attention(rng):
+    """One Attention drawn at random: grouped heads, 3-D or 4-D, causal, windows, softcap,
+    a float or boolean mask of any broadcast shape (possibly short), key lengths or a past
+    cache, a qk output of any mode; and its key lengths per batch (None without)."""
+
+    def pick(options):
+        return options[int(rng.integers(len(options)))]
+
+    kv_heads, group = pick([1, 2, 3]), pick([1, 2, 4])
+    batch, heads, queries = pick([1, 2]), kv_heads * group, pick([1, 2, 5])
+    keys, size = pick([3, 6, 9]), pick([4, 8])
+    attrs = {"is_causal": pick([0, 1])}
+    if rng.random() < 0.3:
+        attrs["left_window_size"] = pick([0, 1, 3])
+    if rng.random() < 0.3:
+        attrs["right_window_size"] = pick([0, 2])
+    if rng.random() < 0.3:
+        attrs["softcap"] = 2.0
+    three_d, lengths = rng.random() < 0.3, rng.random() < 0.4
+    past = None
+    if not (three_d or lengths) and rng.random() < 0.4:
+        cached = pick([2, 4])
+        past = ([batch, kv_heads, cached, size], [batch, kv_heads, cached, size])
+    total = keys + (past[0][2] if past else 0)
+    extra = {}
+    if rng.random() < 0.6:
+        last = total - 1 if rng.random() < 0.2 else total
+        shapes = [[queries, last], [batch, 1, queries, last], [batch, heads, queries, last],
+                  [heads, queries, last], [1, heads, 1, last]]  # fmt: skip
+        extra = {"mask": pick(shapes), "mask_type": pick([FLOAT, BOOL])}
+    if rng.random() < 0.4:
+        extra["outputs"] = ("y", "", "", "qk")
+        attrs["qk_matmul_output_mode"] = pick([0, 1, 2, 3])
+    if three_d:
+        attrs.update(q_num_heads=heads, kv_num_heads=kv_heads)
+        shapes = [batch, queries, heads * size], [batch, keys, kv_heads * size]
+        q, k, v = shapes[0], shapes[1], shapes[1]
+    else:
+        q, k, v = [batch, heads, queries, size], [batch, kv_heads, keys, size], None
+        v = k
+    model = attention_model(q, k, v, past=past, lengths=lengths, **extra, **attrs)
+    return model, ([pick(range(keys + 1)) for _ in range(batch)] if lengths else None)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_attentions_decompose_to_what_the_operator_computes(seed):
+    """The decomposed graph against the operator's reference, every output (the reference
+    executor on both graphs: no compile)."""
+    model, lengths = random_attention(np.random.default_rng(seed))
+    before = import_model(model)
+    after = decompose_attention.run(before)
+    assert not any(n.op == "Attention" for n in after.nodes)
+    feeds = feeds_for(before, lengths=lengths)
+    expected, actual = run_graph(before, feeds), run_graph(after, feeds)
+    for name, value in expected.items():
+        np.testing.assert_allclose(actual[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
