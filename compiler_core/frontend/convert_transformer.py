@@ -61,21 +61,31 @@ def convert_flex_attention(ctx, node, attrs):
         outputs = [node.output[0], "", "", ""]
         ctx.emit("Attention", [q, k, v], outputs, scale=scale, softmax_precision=compute)
         return
-    q_heads, kv_heads = ctx.type(q).shape[1], ctx.type(k).shape[1]
-    if q_heads != kv_heads:  # query head h reads key/value head h // group, as np.repeat
-        k, v = (_repeat_heads(ctx, x, q_heads // kv_heads) for x in (k, v))
+    batch, q_heads, length, _ = ctx.type(q).shape
+    kv_heads, keys = ctx.type(k).shape[1:3]
+    group = q_heads // kv_heads
+    # Grouped heads: query head h reads key/value head h // group. The group's query heads are
+    # stacked as the rows of one GEMM per key/value head (K and V read once, not repeated);
+    # the modifiers see the scores and probabilities per query head, [B, Hq, L, S], as the
+    # spec gives them (a reshape of the same values).
+    per_head, grouped = (batch, q_heads, length, keys), (batch, kv_heads, group * length, keys)
+    q = emit_reshape(ctx, q, (batch, kv_heads, group * length, head)) if group > 1 else q
     # Q and K each scaled by sqrt(scale), the square root taken in float32 (the reference's
     # order: it keeps 16-bit scores in range).
     dtype = ctx.type(q).dtype
     root = ctx.add_constant(np.asarray(np.sqrt(np.float32(scale)), dtype), prefix="flex_scale")
-    keys = ctx.emit("Transpose", [ctx.emit("Mul", [k, root])], perm=(0, 1, 3, 2))
-    scores = _cast(ctx, ctx.emit("MatMul", [ctx.emit("Mul", [q, root]), keys]), compute)
+    transposed = ctx.emit("Transpose", [ctx.emit("Mul", [k, root])], perm=(0, 1, 3, 2))
+    scores = _cast(ctx, ctx.emit("MatMul", [ctx.emit("Mul", [q, root]), transposed]), compute)
+    scores = emit_reshape(ctx, scores, per_head) if group > 1 else scores
     if score_mod is not None:
         scores = _modified(ctx, score_mod, scores, f"{where} score_mod")
     probs = ctx.emit("Softmax", [scores], axis=3)
     if prob_mod is not None:
         probs = _modified(ctx, prob_mod, probs, f"{where} prob_mod")
+    probs = emit_reshape(ctx, probs, grouped) if group > 1 else probs
     out = ctx.emit("MatMul", [probs, _cast(ctx, v, compute)])
+    if group > 1:
+        out = emit_reshape(ctx, out, (batch, q_heads, length, ctx.type(v).shape[3]))
     ctx.emit("Cast", [out], [node.output[0]], to=ctx.type(v).dtype)
 
 
@@ -91,17 +101,6 @@ def _flex_head_size(ctx, q: str, k: str, v: str, where: str) -> int:
             "size must be Q's, V must have K's heads and length, and Q's heads a multiple of K's"
         )
     return head
-
-
-def _repeat_heads(ctx, x: str, group: int) -> str:
-    """[B, H, S, D] -> [B, H * group, S, D], each head repeated `group` times in place."""
-    batch, heads, length, size = ctx.type(x).shape
-    wide = ctx.emit(
-        "Expand",
-        [emit_reshape(ctx, x, (batch, heads, 1, length, size))],
-        shape=(batch, heads, group, length, size),
-    )
-    return emit_reshape(ctx, wide, (batch, heads * group, length, size))
 
 
 def _cast(ctx, x: str, dtype: str) -> str:

@@ -55,7 +55,7 @@ NATIVE_MUST_PASS = (
     "test_rnn_seq_length",
     "test_linear_attention_gated_delta_gqa",
     "test_linear_attention_prefill_with_past",
-    # The preview domain: FlexAttention's modifier graphs inlined, GQA heads repeated.
+    # The preview domain: FlexAttention's modifier graphs inlined, grouped heads as GEMM rows.
     "test_flexattention_causal_mask",
     "test_flexattention_gqa",
     "test_col2im_dilations",

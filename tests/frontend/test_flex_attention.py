@@ -98,6 +98,7 @@ def test_a_causal_score_mod_is_inlined_and_matches_the_reference(heads):
     model = flex_model(*shapes, score_mod=causal_mask())
     ops = [n.op for n in import_model(model).nodes]
     assert "Attention" not in ops and "Where" in ops and "Softmax" in ops
+    assert "Expand" not in ops  # grouped heads as GEMM rows: K and V are not repeated
     ours, theirs = run_both(model, inputs(*shapes))
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
     # The first query position sees only the first key: its output is V's first row.
