@@ -232,12 +232,16 @@ def test_bfloat16_is_computed_in_float32_and_cast_back():
     assert after.types[softmax.outputs[0]].dtype == "float32"
 
 
-@pytest.mark.parametrize("why", ["half a cache", "key lengths and a past cache", "long mask"])
+@pytest.mark.parametrize(
+    "why", ["half a cache", "key lengths and a past cache", "long mask", "integer softmax"]
+)
 def test_what_the_spec_does_not_allow_is_refused_by_name(why):
     shapes = ([1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8])
     extra = {"past": ([1, 2, 5, 8], [1, 2, 5, 8]), "lengths": why == "key lengths and a past cache"}
     if why == "long mask":  # 5 past and 6 new keys
         extra["mask"] = [4, 12]
+    if why == "integer softmax":
+        extra["softmax_precision"] = TensorProto.INT32
     model = attention_model(*shapes, **extra)
     if why == "half a cache":  # the past value left out
         model.graph.node[0].input[5] = ""
@@ -246,6 +250,7 @@ def test_what_the_spec_does_not_allow_is_refused_by_name(why):
         "half a cache": "come together",
         "key lengths and a past cache": "cannot be combined",
         "long mask": "covers more keys than the 11",
+        "integer softmax": "computes in a float type",
     }[why]
     with pytest.raises(ShapeError, match=f"node 'Attention'.*{wanted}"):
         import_model(model)

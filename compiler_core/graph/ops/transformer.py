@@ -160,8 +160,17 @@ def _heads_shape(t: TensorType, heads: int | None, what: str) -> tuple[int, int,
     return b, heads, s, hd // heads
 
 
+ATTENTION_TYPES = ("float16", "bfloat16", "float32", "float64")
+
+
 def _attention_rule(node, types):
     q, k, v = types[0], types[1], types[2]
+    precision = node.attr("softmax_precision", q.dtype)
+    if q.dtype not in ATTENTION_TYPES or precision not in ATTENTION_TYPES:
+        raise ShapeError(
+            f"Attention computes in a float type ({', '.join(ATTENTION_TYPES)}), not "
+            f"{q.dtype} with a softmax in {precision}"
+        )
     given = [bool(name) for name in (*node.inputs, "", "", "", "")[:7]]
     if given[4] != given[5]:
         raise ShapeError("past_key and past_value come together: one was given without the other")
