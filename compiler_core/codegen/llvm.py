@@ -683,6 +683,9 @@ class FunctionEmitter:
             known = _static_truth(scope, e.cond)
             if known is not None:  # a select on an unrolled loop's index: emit one branch
                 return self._expr(b, scope, e.a if known else e.b)
+            guarded = self._guarded_load(b, scope, e)
+            if guarded is not None:
+                return guarded
             cond = self._expr(b, scope, e.cond)
             x, y = self._match(b, self._expr(b, scope, e.a), self._expr(b, scope, e.b))
             if isinstance(x.type, ir.VectorType) and not isinstance(cond.type, ir.VectorType):
@@ -693,6 +696,26 @@ class FunctionEmitter:
         if isinstance(e, Cast):
             return self._cast(b, e.a.dtype, e.dtype, self._expr(b, scope, e.a))
         raise CodegenError(f"no LLVM rule for expression {type(e).__name__}")
+
+    def _guarded_load(self, b, scope: _Scope, e: Select) -> ir.Value | None:
+        """A padded read, select(inside, x[clamp(s)], fill), vectorized along s: the lanes the
+        condition lets through load x[s] itself as one masked load (the others touch no
+        memory), where the clamps would make every lane a load of its own. None where the
+        select is not of that form."""
+        if scope.lanes == 1 or not isinstance(e.a, Load) or e.a.buffer.scope == "local":
+            return None
+        if not mentions(e.cond, scope.vector_var) or e.a.buffer.dtype not in MASKABLE:
+            return None
+        load = _unclamped(e.a, e.cond)
+        flat = self._flat_index(load.buffer, load.indices)
+        if load is e.a or lane_stride(flat, scope.vector_var) != 1:
+            return None
+        cond = self._expr(b, scope, e.cond)
+        loaded = self._load(b, dataclasses.replace(scope, mask=cond), load)
+        fill = self._expr(b, scope, e.b)
+        if not isinstance(fill.type, ir.VectorType):
+            fill = self._splat(b, fill, scope.lanes)
+        return b.select(cond, loaded, fill)
 
     def _binary(self, b, op: str, dtype: str, x, y) -> ir.Value:
         def compare_ints(kind: str, predicate: str, lhs, rhs):
@@ -1112,6 +1135,36 @@ def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
             )
         bit <<= 1
     return rows
+
+
+def _conjuncts(cond: Expr) -> list[Expr]:
+    if isinstance(cond, Binary) and cond.op == "and":
+        return _conjuncts(cond.a) + _conjuncts(cond.b)
+    return [cond]
+
+
+def _unclamped(load: Load, cond: Expr) -> Load:
+    """`load` with each index clamp(s) = max(min(s, n - 1), 0) replaced by s where `cond`
+    requires s >= 0 and s < n (so the clamp changes nothing where the condition holds): the
+    form of a padded read (`kernels/nn.py:_padded`)."""
+    facts = set(_conjuncts(cond))
+    indices = []
+    for index in load.indices:
+        if (
+            isinstance(index, Binary)
+            and index.op == "max"
+            and index.b == Const(0, INDEX)
+            and isinstance(index.a, Binary)
+            and index.a.op == "min"
+            and isinstance(index.a.b, Const)
+        ):
+            s, last = index.a.a, index.a.b.value
+            if {Binary("ge", s, Const(0, INDEX)), Binary("lt", s, Const(last + 1, INDEX))} <= facts:
+                index = s
+        indices.append(index)
+    if indices == list(load.indices):
+        return load
+    return dataclasses.replace(load, indices=tuple(indices))
 
 
 def _static_truth(scope: _Scope, cond: Expr) -> bool | None:

@@ -71,6 +71,16 @@ def _padded(ctx: KernelContext, node: Node, x: Tensor, pads, fill, nsp: int = 0)
     return compute(shape, body, ctx.stage_name(node, prefix="pad"))
 
 
+def _input_channel(o, c, group: int, per_group_out: int, per_group_in: int):
+    """The input channel a grouped conv's output channel `o` reads at reduction index `c`:
+    affine where it can be (a depthwise conv's is o + c), so that a compute_at of its padded
+    input takes one channel plane."""
+    if group == 1:
+        return c
+    first = o if per_group_out == 1 else Binary("floordiv", o, Const(per_group_out, INDEX))
+    return (first if per_group_in == 1 else first * Const(per_group_in, INDEX)) + c
+
+
 def _window_index(i, ks, strides, dilations):
     return tuple(
         o * Const(s, INDEX) + k * Const(d, INDEX)
@@ -125,7 +135,7 @@ def _conv(ctx: KernelContext, node: Node):
     accumulate = "float32" if out.dtype == "float16" else out.dtype
 
     def body(n, o, *spatial):
-        channel = Binary("floordiv", o, Const(mg, INDEX)) * Const(cg, INDEX) + c if group > 1 else c
+        channel = _input_channel(o, c, group, mg, cg)
         source = padded[(n, channel, *_window_index(spatial, ks, strides, dilations))]
         product = source * weight(o)(c, ks)
         return reduce_sum(
@@ -139,6 +149,9 @@ def _conv(ctx: KernelContext, node: Node):
         layout="packed" if packed else "depthwise" if depthwise else "generic",
         block=block,
     )
+    if depthwise and nsp == 2 and one_vector_load(strides[1], x.dtype):
+        # A window of taps along each output row, as a plain pool's (`plain_window_schedule`).
+        ctx.note(conv.name, window="plain", padded="" if padded is x else padded.name)
     if shape != tuple(out.shape):
         ctx.note(conv.name, real_shape=tuple(out.shape))
     if accumulate != out.dtype:
@@ -1080,7 +1093,7 @@ def _pool(kind: str) -> Builder:
 
 def _note_plain_pool(ctx: KernelContext, pool: Tensor, padded: Tensor, x: Tensor, strides):
     """Mark a pool over the blocked NC[D][H]W[b]c layout for `blocked_pool_schedule`, or a 2-d
-    pool over plain NCHW for `plain_pool_schedule`, with the stage that pads its input, if
+    pool over plain NCHW for `plain_window_schedule`, with the stage that pads its input, if
     any. A plain pool only with a stride along the width of at most 4, where a vector of
     window taps is one contiguous load, or one masked load and a shuffle (the codegen's
     strided load: ResNet's 3x3 stride-2 stem pool 0.23 -> 0.13 ms); wider strides would be
@@ -1089,7 +1102,7 @@ def _note_plain_pool(ctx: KernelContext, pool: Tensor, padded: Tensor, x: Tensor
     if len(x.shape) == len(strides) + 3:  # NC[D][H]W[b]c: the block is the vector
         ctx.note(pool.name, pool="blocked", padded=padded_name)
     elif len(strides) == 2 and len(x.shape) == 4 and one_vector_load(strides[1], x.dtype):
-        ctx.note(pool.name, pool="plain", padded=padded_name)
+        ctx.note(pool.name, window="plain", padded=padded_name)
 
 
 def _argmax_indices(ctx, node, in_shape, peak, padded, kernel) -> Tensor:
@@ -1367,7 +1380,7 @@ def _integer_conv(ctx: KernelContext, node: Node, x_at: int, w_at: int, zeros: t
     ks = [reduce_axis(k, f"rk{j}") for j, k in enumerate(w.shape[2:])]
 
     def body(n, o, *spatial):
-        channel = Binary("floordiv", o, Const(mg, INDEX)) * Const(cg, INDEX) + c if group > 1 else c
+        channel = _input_channel(o, c, group, mg, cg)
         source = padded[(n, channel, *_window_index(spatial, ks, strides, dilations))]
         weight = Cast("int32", w[(o, c, *ks)]) - _zero_point(w_zero, o)
         return reduce_sum(source * weight, [c, *ks])

@@ -17,7 +17,9 @@ is padded (see `graph/ops/layout.py`), so that an odd channel count never leaves
 path; or a conv whose groups' input and output channels are multiples of the block, or whose
 groups are smaller than a block and fill it (as many inputs as outputs per group). Not blocked:
 a 1-D conv of plain data with a short reduction (`im2col_conv`: a raw-audio stem) whose output
-no reader could take blocked; it runs as a GEMM that writes its plain output directly. The block
+no reader could take blocked; it runs as a GEMM that writes its plain output directly. Nor a
+depthwise 2-D conv of plain data, stride 1 and at most 5x5 taps, that no reader takes blocked
+(a graph output, a permute to channels-last): it runs as rows of pixel vectors. The block
 is the one of a vector register of float32 or 8 lanes, whichever takes the fewest FMA cycles
 (`block_cost`: the least padding where a 16-lane FMA costs two 8-lane ones, else the fewest
 vectors; the larger on a tie). A plain conv reads its data in whatever block its producer
@@ -49,6 +51,13 @@ NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
 SPATIAL_REDUCTIONS = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum")
 MIN_BLOCKED_CHANNELS = 8
+# The most taps of a depthwise conv of plain data that stays plain (stride 1). Each tap of a
+# pixel vector is an unaligned load, most of them split across two cache lines, where the
+# blocked conv loads whole vectors: on Zen 5 (`bench.ops`, alternated with the blocked path)
+# 3x3 at 112 x 112 ran 0.103-0.129 -> 0.096 ms and 5x5 at 28 x 28 0.053-0.102 -> 0.037 plain,
+# but 7x7 at 56 x 56 0.145-0.175 -> 0.20-0.22 (its two transforms weigh less against 49 taps);
+# a stride of 2 (a masked load and a shuffle a tap) 0.065 -> 0.077-0.088.
+PLAIN_DEPTHWISE_MAX_TAPS = 25
 # Elementwise ops that map finite padding lanes to finite values (no division, logarithm or
 # exponential growth), so that a padded blocked value may pass through them.
 PADDING_SAFE = frozenset(
@@ -151,7 +160,7 @@ class _Rewriter:
     def visit(self, node: Node) -> None:
         data_blocked = bool(node.inputs) and node.inputs[0] in self.blocked
         block = _conv_block(self.graph, node, self.blocks, self.fma_lanes, data_blocked)
-        if block and not data_blocked and self._im2col_plain(node):
+        if block and not data_blocked and (self._im2col_plain(node) or self._window_plain(node)):
             block = 0
         if block:
             self._blocked_conv(node, block)
@@ -196,7 +205,35 @@ class _Rewriter:
         x, w = self.graph.types[node.inputs[0]], self.graph.types[node.inputs[1]]
         if not im2col_conv(x.shape, w.shape, node.attr("group", 1), x.dtype):
             return False
-        return not any(_may_read_blocked(r) for r in self.readers.get(node.outputs[0], []))
+        return not self._read_blocked_downstream(node.outputs[0])
+
+    def _window_plain(self, node: Node) -> bool:
+        """Whether a depthwise 2-D conv of plain data stays plain: stride 1 and at most 5x5
+        taps (`PLAIN_DEPTHWISE_MAX_TAPS`), and no reader down its elementwise chain could take
+        its output blocked (a graph output, a permute to channels-last). It then runs as rows
+        of pixel vectors (`schedules.depthwise_window_schedule`) where, blocked, it would pay
+        a transform on each side, each about as long as the conv."""
+        x, w = self.graph.types[node.inputs[0]], self.graph.types[node.inputs[1]]
+        group = node.attr("group", 1)
+        if x.rank != 4 or not group == x.shape[1] == w.shape[0]:
+            return False
+        _, strides, _ = spatial_params(node, 2)
+        if tuple(strides) != (1, 1) or w.shape[2] * w.shape[3] > PLAIN_DEPTHWISE_MAX_TAPS:
+            return False
+        return not self._read_blocked_downstream(node.outputs[0])
+
+    def _read_blocked_downstream(self, value: str) -> bool:
+        """Whether a reader of `value` could take it blocked: a conv, pool, spatial reduction
+        or Concat, directly or behind elementwise ops (which carry a block but gain nothing
+        from it)."""
+        for reader in self.readers.get(value, []):
+            if not _may_read_blocked(reader):
+                continue
+            if OP_TABLE[reader.op].kind > OpKind.BROADCAST:
+                return True  # a layout op
+            if any(self._read_blocked_downstream(v) for v in reader.outputs if v):
+                return True
+        return False
 
     def _data_inputs(self, node: Node) -> list[str]:
         return [v for v in node.inputs if v and self.graph.types[v].size != 1]

@@ -249,6 +249,36 @@ def test_strided_lanes_load_as_one_masked_span_and_a_shuffle(stride, tmp_path):
     assert ("llvm.masked.gather" in text) == (stride > 4)
 
 
+def _padded_row(name: str, guard_both_ends: bool):
+    """y[i] = x[clamp(i - 3)] where 0 <= i - 3 < 20 (both ends guarded, the form of a padded
+    read), else 0; without `guard_both_ends` only the lower end is guarded, so the clamp
+    does clamp lanes past the end: they must read x's last element."""
+    x = te.placeholder((20,), "float32", "x")
+    last = Const(19, "int64")
+
+    def body(i):
+        s = i - Const(3, "int64")
+        inside = Binary("ge", s, Const(0, "int64"))
+        if guard_both_ends:
+            inside = Binary("and", inside, Binary("lt", s, Const(20, "int64")))
+        clamped = Binary("max", Binary("min", s, last), Const(0, "int64"))
+        return Select(inside, x[clamped], Const(0.0, "float32"))
+
+    y = te.compute((32,), body, "y")
+    return apply(te.lower([x], [y], name), [Split("y_i0", 16), Vectorize("y_i0_i")])
+
+
+@pytest.mark.parametrize("guard_both_ends", [True, False])
+def test_a_padded_read_loads_its_live_lanes_with_one_masked_load(guard_both_ends, tmp_path):
+    """Where the guard proves the clamp idle, the vector reads x at the unclamped index with
+    one masked load (the lanes outside touch no memory: x ends at its 20th element); where
+    it does not, each lane loads its clamped element."""
+    func = _padded_row(f"padded_row_{int(guard_both_ends)}", guard_both_ends)
+    text = str(build_module([func], TARGET))
+    assert ("llvm.masked.load" in text) == guard_both_ends
+    assert_native_matches_interpreter([func], tmp_path)
+
+
 @pytest.mark.parametrize("columns", [16, 21])
 def test_a_transposed_read_gathers_its_lanes_and_masks_the_tail(columns, tmp_path):
     """y = x^T, vectorized along y's rows: each vector reads a column of x (lanes a row

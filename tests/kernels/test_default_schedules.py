@@ -26,7 +26,9 @@ def w(*shape):
     return RNG.standard_normal(shape).astype(np.float32)
 
 
-def conv_model(c_in, c_out, group, kernel, stride, pads, epilogue=True):
+def conv_model(c_in, c_out, group, kernel, stride, pads, epilogue=True, pooled=False):
+    """Conv (+ bias) -> Relu (with `epilogue`), then a 1x1 MaxPool (with `pooled`: a reader
+    that takes the conv's output blocked)."""
     nodes = [
         helper.make_node(
             "Conv",
@@ -42,6 +44,9 @@ def conv_model(c_in, c_out, group, kernel, stride, pads, epilogue=True):
     if epilogue:
         nodes += [helper.make_node("Relu", ["c"], ["y"], name="relu")]
         out = "y"
+    if pooled:
+        nodes += [helper.make_node("MaxPool", [out], ["p"], name="pool", kernel_shape=[1, 1])]
+        out = "p"
     size = (8 + pads[0] + pads[2] - kernel) // stride + 1
     return make_model(
         nodes,
@@ -217,8 +222,10 @@ MODELS = {
     "conv_1x1": lambda: conv_model(16, 32, 1, 1, 1, [0, 0, 0, 0]),
     # Split among the threads by rows first (16 KB in, 4 KB of weights), by channels first.
     "conv_1x1_rows_first": lambda: conv_model(64, 16, 1, 1, 1, [0, 0, 0, 0]),
-    "conv_1x1_channels_first": lambda: conv_model(16, 256, 1, 1, 1, [0, 0, 0, 0]),
-    "conv_depthwise": lambda: conv_model(16, 16, 16, 3, 1, [1, 1, 1, 1]),
+    "conv_1x1_channels_first": lambda: conv_model(48, 256, 1, 1, 1, [0, 0, 0, 0]),
+    # Read blocked: NCHW16c; read plain (a graph output): a window along each output row.
+    "conv_depthwise": lambda: conv_model(16, 16, 16, 3, 1, [1, 1, 1, 1], pooled=True),
+    "conv_depthwise_plain": lambda: conv_model(16, 16, 16, 3, 1, [1, 1, 1, 1]),
     "conv_packed4_nchw": lambda: conv_model(8, 4, 1, 3, 1, [1, 1, 1, 1]),
     "conv_depthwise_nchw": lambda: conv_model(12, 12, 12, 3, 2, [1, 1, 1, 1]),
     "conv_blocked_chain": blocked_chain_model,

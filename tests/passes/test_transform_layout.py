@@ -93,12 +93,12 @@ def test_24_channels_take_padded_16_lane_blocks_where_16_lane_fmas_run_at_full_r
 def test_per_channel_constant_is_blocked_at_build_time():
     model = make_model(
         [
-            conv("conv", "x", "w", "a"),
+            conv("conv", "x", "w", "a", pads=[1, 1, 1, 1]),
             helper.make_node("Mul", ["a", "scale"], ["y"], name="scale"),
         ],
         [("x", FLOAT, [1, 4, 5, 5])],
         [("y", FLOAT, [1, 16, 5, 5])],
-        {"w": rand(16, 4, 1, 1), "scale": rand(1, 16, 1, 1)},
+        {"w": rand(16, 4, 3, 3), "scale": rand(1, 16, 1, 1)},
     )
     before = before_layout(model)
     after = transform_layout.run(before)
@@ -452,10 +452,14 @@ def test_grouped_conv_reads_its_own_block():
 
 
 def stem_model(reader: str):
-    """A raw-audio stem (1 channel, 10 taps, stride 5, 16 filters) read by `reader`."""
+    """A raw-audio stem (1 channel, 10 taps, stride 5, 16 filters) read by `reader`
+    ("Relu+MaxPool": a Relu, then a pool)."""
     nodes = [conv("stem", "x", "w", "a", strides=[5])]
     if reader == "Softmax":
         nodes.append(helper.make_node("Softmax", ["a"], ["y"], name="softmax", axis=1))
+    elif reader == "Relu+MaxPool":
+        nodes.append(helper.make_node("Relu", ["a"], ["r"], name="relu"))
+        nodes.append(helper.make_node("MaxPool", ["r"], ["y"], name="pool", kernel_shape=[1]))
     else:
         nodes.append(helper.make_node(reader, ["a"], ["y"], name="reader"))
     return make_model(
@@ -464,14 +468,59 @@ def stem_model(reader: str):
 
 
 @pytest.mark.parametrize(
-    "reader, blocked", [("Softmax", False), ("Identity", False), ("Relu", True)]
+    "reader, blocked",
+    [("Softmax", False), ("Identity", False), ("Relu", False), ("Relu+MaxPool", True)],
 )
 def test_short_reduction_conv_stays_plain_unless_a_reader_takes_it_blocked(reader, blocked):
     """An im2col conv writes plain output from its GEMM tile; blocking it pays only when a
-    reader keeps the block (an elementwise op may carry it into a chain)."""
+    reader keeps the block: a layout op, directly or behind elementwise ops (which would only
+    carry the block to a transform back)."""
     before = before_layout(stem_model(reader))
     after = transform_layout.run(before)
     expected = ("NCW", "NCW16c") if blocked else ("NCHW", "NCHW")  # (no layout attributes)
     assert layouts(after) == [("stem", *expected)]
     assert any(n.op == "LayoutTransform" for n in after.nodes) == blocked
+    assert_same_function(before, after)
+
+
+def depthwise_model(reader: str, stride: int = 1, kernel: int = 3):
+    """A depthwise 3x3 conv of plain data (16 channels) read by `reader`: "output" (a graph
+    output), "Transpose" (ConvNeXt's permute to channels-last), "Relu" (then the output) or
+    "Relu+Conv" (a 1x1 conv after the Relu)."""
+    pads = [kernel // 2] * 4
+    nodes = [conv("dw", "x", "w", "a", group=16, strides=[stride] * 2, pads=pads)]
+    size = (9 - 1) // stride + 1
+    out, shape, weights = "a", [1, 16, size, size], {"w": rand(16, 1, kernel, kernel)}
+    if reader == "Transpose":
+        nodes.append(helper.make_node("Transpose", ["a"], ["y"], name="nhwc", perm=[0, 2, 3, 1]))
+        out, shape = "y", [1, size, size, 16]
+    elif reader.startswith("Relu"):
+        nodes.append(helper.make_node("Relu", ["a"], ["r"], name="relu"))
+        out = "r"
+    if reader == "Relu+Conv":
+        nodes.append(conv("project", "r", "wp", "y"))
+        out, weights["wp"] = "y", rand(24, 16, 1, 1)
+        shape = [1, 24, size, size]
+    return make_model(nodes, [("x", FLOAT, [1, 16, 9, 9])], [(out, FLOAT, shape)], weights)
+
+
+@pytest.mark.parametrize(
+    "reader, stride, kernel, blocked",
+    [
+        ("output", 1, 3, False),
+        ("Transpose", 1, 5, False),
+        ("Relu", 1, 3, False),
+        ("Relu+Conv", 1, 3, True),
+        ("output", 2, 3, True),  # strided: a masked load and a shuffle a tap
+        ("Transpose", 1, 7, True),  # 49 taps: the blocked conv's whole-vector loads win
+    ],
+)
+def test_depthwise_conv_of_plain_data_stays_plain_unless_a_reader_takes_it_blocked(
+    reader, stride, kernel, blocked
+):
+    before = before_layout(depthwise_model(reader, stride, kernel))
+    after = transform_layout.run(before)
+    dw = next(n for n in after.nodes if n.op == "Conv" and n.attr("group", 1) == 16)
+    assert (dw.attr("out_layout", "NCHW") == "NCHW16c") == blocked
+    assert dw.attr("data_layout", "NCHW") == ("NCHW16c" if blocked else "NCHW")
     assert_same_function(before, after)
