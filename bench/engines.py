@@ -144,6 +144,29 @@ def timed_in_blocks(
     return {name: np.array(times) for name, times in samples.items()}
 
 
+def timed_by_position(
+    engines: dict[str, Callable[[], object]],
+    blocks: int,
+    block: int,
+    pause: float = SETTLE_SECONDS,
+) -> dict[str, np.ndarray]:
+    """Times (seconds) of each engine as [blocks, block]: row b holds block b's runs in the
+    order they ran, the first included (callers drop or study it). Each block starts after
+    `pause`, as the acceptance checks time (an idle vCPU takes a few milliseconds to reach
+    speed again on these hosts, so runs early in a block read slower); the engines' order is
+    reversed every other block, so that neither always follows the same one."""
+    times = {name: np.zeros((blocks, block)) for name in engines}
+    names = list(engines)
+    for b in range(blocks):
+        for name in names if b % 2 == 0 else names[::-1]:
+            time.sleep(pause)
+            for k in range(block):
+                started = time.perf_counter()
+                engines[name]()
+                times[name][b, k] = time.perf_counter() - started
+    return times
+
+
 def stats(seconds: np.ndarray) -> dict:
     return {
         "median_ms": float(np.median(seconds) * 1e3),
