@@ -150,8 +150,9 @@ def _conv(ctx: KernelContext, node: Node):
         block=block,
     )
     if depthwise and nsp == 2 and one_vector_load(strides[1], x.dtype):
-        # A window of taps along each output row, as a plain pool's (`plain_window_schedule`).
-        ctx.note(conv.name, window="plain", padded="" if padded is x else padded.name)
+        # A window of taps along the output rows (`schedules.depthwise_window_schedule`).
+        padded_name = "" if padded is x else padded.name
+        ctx.note(conv.name, window="plain", padded=padded_name, width_stride=strides[1])
     if shape != tuple(out.shape):
         ctx.note(conv.name, real_shape=tuple(out.shape))
     if accumulate != out.dtype:

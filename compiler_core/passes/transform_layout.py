@@ -18,8 +18,9 @@ path; or a conv whose groups' input and output channels are multiples of the blo
 groups are smaller than a block and fill it (as many inputs as outputs per group). Not blocked:
 a 1-D conv of plain data with a short reduction (`im2col_conv`: a raw-audio stem) whose output
 no reader could take blocked; it runs as a GEMM that writes its plain output directly. Nor a
-depthwise 2-D conv of plain data, stride 1 and at most 5x5 taps, that no reader takes blocked
-(a graph output, a permute to channels-last): it runs as rows of pixel vectors. The block
+depthwise 2-D conv of plain data with few taps for its stride (up to 5x5 at stride 1, 3x3 at
+stride 2) that no reader takes blocked (a graph output, a permute to channels-last): it runs
+as rows of pixel vectors. The block
 is the one of a vector register of float32 or 8 lanes, whichever takes the fewest FMA cycles
 (`block_cost`: the least padding where a 16-lane FMA costs two 8-lane ones, else the fewest
 vectors; the larger on a tie). A plain conv reads its data in whatever block its producer
@@ -51,13 +52,14 @@ NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
 SPATIAL_REDUCTIONS = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceSum")
 MIN_BLOCKED_CHANNELS = 8
-# The most taps of a depthwise conv of plain data that stays plain (stride 1). Each tap of a
-# pixel vector is an unaligned load, most of them split across two cache lines, where the
-# blocked conv loads whole vectors: on Zen 5 (`bench.ops`, alternated with the blocked path)
-# 3x3 at 112 x 112 ran 0.103-0.129 -> 0.096 ms and 5x5 at 28 x 28 0.053-0.102 -> 0.037 plain,
-# but 7x7 at 56 x 56 0.145-0.175 -> 0.20-0.22 (its two transforms weigh less against 49 taps);
-# a stride of 2 (a masked load and a shuffle a tap) 0.065 -> 0.077-0.088.
-PLAIN_DEPTHWISE_MAX_TAPS = 25
+# The most taps of a depthwise conv of plain data that stays plain, by its (square) stride.
+# Each tap of a pixel vector is an unaligned load, most of them split across two cache lines
+# (with a stride, a masked load and a shuffle), where the blocked conv loads whole vectors;
+# blocked, the conv pays a transform on each side. Plain against blocked on Zen 5 (`bench.ab`
+# over archives of one-conv models, medians of 40 block ratios): stride 1, 3x3 at 112 x 112
+# 0.75, at 56 x 56 0.70, on 576 channels at 14 x 14 0.37, 5x5 at 28 x 28 0.79, but 7x7 at
+# 56 x 56 1.30; stride 2, 3x3 at 56 x 56 0.74, at 112 x 112 0.85, but 5x5 at 28 x 28 1.42.
+PLAIN_DEPTHWISE_MAX_TAPS = {1: 25, 2: 9}
 # Elementwise ops that map finite padding lanes to finite values (no division, logarithm or
 # exponential growth), so that a padded blocked value may pass through them.
 PADDING_SAFE = frozenset(
@@ -208,17 +210,19 @@ class _Rewriter:
         return not self._read_blocked_downstream(node.outputs[0])
 
     def _window_plain(self, node: Node) -> bool:
-        """Whether a depthwise 2-D conv of plain data stays plain: stride 1 and at most 5x5
-        taps (`PLAIN_DEPTHWISE_MAX_TAPS`), and no reader down its elementwise chain could take
-        its output blocked (a graph output, a permute to channels-last). It then runs as rows
-        of pixel vectors (`schedules.depthwise_window_schedule`) where, blocked, it would pay
-        a transform on each side, each about as long as the conv."""
+        """Whether a depthwise 2-D conv of plain data stays plain: few enough taps for its
+        stride (`PLAIN_DEPTHWISE_MAX_TAPS`: up to 5x5 at stride 1, 3x3 at stride 2), and no
+        reader down its elementwise chain could take its output blocked (a graph output, a
+        permute to channels-last). It then runs as rows of pixel vectors
+        (`schedules.depthwise_window_schedule`) where, blocked, it would pay a transform on
+        each side."""
         x, w = self.graph.types[node.inputs[0]], self.graph.types[node.inputs[1]]
         group = node.attr("group", 1)
         if x.rank != 4 or not group == x.shape[1] == w.shape[0]:
             return False
         _, strides, _ = spatial_params(node, 2)
-        if tuple(strides) != (1, 1) or w.shape[2] * w.shape[3] > PLAIN_DEPTHWISE_MAX_TAPS:
+        most = PLAIN_DEPTHWISE_MAX_TAPS.get(strides[0], 0) if strides[0] == strides[1] else 0
+        if w.shape[2] * w.shape[3] > most:
             return False
         return not self._read_blocked_downstream(node.outputs[0])
 

@@ -47,11 +47,13 @@ def depthwise(shape, kernel, stride=1, pad=0, dilation=1, bias=True, activation=
 
 
 CASES = {
-    # Kept plain by the layout pass (stride 1, at most 5x5 taps, read by no layout op).
+    # Kept plain by the layout pass (up to 5x5 taps at stride 1, 3x3 at stride 2, read by no
+    # layout op).
     "3x3": ([1, 16, 13, 13], 3, 1, 1, 1, True, None),
     "5x5_row_of_70": ([1, 8, 9, 70], 5, 1, 2, 1, True, "Relu"),  # whole vectors and a tail
     "3x3_no_padding": ([1, 24, 6, 40], 3, 1, 0, 1, True, None),
     "3x3_dilated": ([2, 9, 20, 31], 3, 1, 2, 2, False, "Sigmoid"),
+    "3x3_stride2": ([1, 16, 29, 58], 3, 2, 1, 1, True, "Relu"),  # a whole row of strided taps
     # Fewer than 8 channels: never blocked, so every stride and size runs plain.
     "7x7_row_of_56": ([1, 4, 14, 56], 7, 1, 3, 1, True, None),
     "5x5_stride2": ([1, 6, 29, 29], 5, 2, 2, 1, False, None),

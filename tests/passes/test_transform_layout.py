@@ -511,7 +511,9 @@ def depthwise_model(reader: str, stride: int = 1, kernel: int = 3):
         ("Transpose", 1, 5, False),
         ("Relu", 1, 3, False),
         ("Relu+Conv", 1, 3, True),
-        ("output", 2, 3, True),  # strided: a masked load and a shuffle a tap
+        ("output", 2, 3, False),
+        ("output", 2, 5, True),  # strided, 25 taps: a masked load and a shuffle each
+        ("output", 3, 3, True),
         ("Transpose", 1, 7, True),  # 49 taps: the blocked conv's whole-vector loads win
     ],
 )
