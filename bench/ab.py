@@ -50,7 +50,9 @@ def build(model: str, spec: str, shapes: dict[str, list[int]], threads: int):
     if spec.endswith(".kiln"):
         return load(spec, num_threads=threads)
     tuning = None if spec == UNTUNED else spec
-    return load(compiler_core.compile(model, shapes=shapes or None, tuning=tuning), num_threads=threads)
+    return load(
+        compiler_core.compile(model, shapes=shapes or None, tuning=tuning), num_threads=threads
+    )
 
 
 def feeds_for(module, seed: int = 0) -> dict[str, np.ndarray]:
@@ -115,7 +117,9 @@ def main(argv=None) -> int:
             raise UsageError("--block takes at least 2 runs (the first is dropped), --blocks 1")
         shapes = parse_shapes(args.shape)
         specs = dict(parse_build(text) for text in args.build)
-        modules = {name: build(args.model, spec, shapes, args.threads) for name, spec in specs.items()}
+        modules = {
+            name: build(args.model, spec, shapes, args.threads) for name, spec in specs.items()
+        }
         feeds = feeds_for(next(iter(modules.values())))
         runners = {name: module.run for name, module in modules.items()}
         if args.ort:

@@ -1153,8 +1153,9 @@ def depthwise_window_schedule(
     conv: StageInfo, epilogue: StageInfo | None, padded: StageInfo | None, target: Target
 ) -> list[Record]:
     """A depthwise conv over plain NCHW, stride 1: a register tile of up to 8 output rows x
-    one vector of pixels along the row accumulates over the taps (a broadcast weight, then one FMA per
-    row, each a load of the padded plane at its tap), the epilogue in the tile's single
+    one vector of pixels along the row accumulates over the taps (a broadcast weight, then one
+    FMA per row, each a load of the padded plane at its tap; the taps unrolled, so that rows
+    share the loads of the input rows they both read), the epilogue in the tile's single
     store; the row in whole vectors and, where the lanes do not divide it, a last vector
     ending at its end (overlapping the one before); the padded plane made one channel at a
     time; parallel over channels. A whole row as one tile (the plain pool's) made each vector

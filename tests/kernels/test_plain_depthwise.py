@@ -59,6 +59,8 @@ CASES = {
     "5x5_stride2": ([1, 6, 29, 29], 5, 2, 2, 1, False, None),
     "3x3_stride3_dilated": ([2, 5, 20, 31], 3, 3, 2, 2, True, "Relu"),
 }
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_plain_depthwise_conv_matches_onnxruntime(name):
     shape, *params = CASES[name]
