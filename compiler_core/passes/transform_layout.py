@@ -229,14 +229,17 @@ class _Rewriter:
     def _read_blocked_downstream(self, value: str) -> bool:
         """Whether a reader of `value` could take it blocked: a conv, pool, spatial reduction
         or Concat, directly or behind elementwise ops (which carry a block but gain nothing
-        from it)."""
-        for reader in self.readers.get(value, []):
-            if not _may_read_blocked(reader):
-                continue
-            if OP_TABLE[reader.op].kind > OpKind.BROADCAST:
-                return True  # a layout op
-            if any(self._read_blocked_downstream(v) for v in reader.outputs if v):
-                return True
+        from it). Each value is looked at once (elementwise chains may branch and rejoin)."""
+        pending, seen = [value], {value}
+        while pending:
+            for reader in self.readers.get(pending.pop(), []):
+                if not _may_read_blocked(reader):
+                    continue
+                if OP_TABLE[reader.op].kind > OpKind.BROADCAST:
+                    return True  # a layout op
+                fresh = [v for v in reader.outputs if v and v not in seen]
+                seen.update(fresh)
+                pending.extend(fresh)
         return False
 
     def _data_inputs(self, node: Node) -> list[str]:

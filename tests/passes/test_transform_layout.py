@@ -526,3 +526,19 @@ def test_depthwise_conv_of_plain_data_stays_plain_unless_a_reader_takes_it_block
     assert (dw.attr("out_layout", "NCHW") == "NCHW16c") == blocked
     assert dw.attr("data_layout", "NCHW") == ("NCHW16c" if blocked else "NCHW")
     assert_same_function(before, after)
+
+
+def test_a_reader_is_looked_for_once_per_value_down_branching_elementwise_chains():
+    """dw -> 40 x (Add(v, v)): each value read twice by one node. Walked per read, the search
+    for a reader that takes blocked data would visit 2^40 paths; per value, 40."""
+    nodes = [conv("dw", "x", "w", "v0", group=16, pads=[1, 1, 1, 1])]
+    for k in range(40):
+        nodes.append(helper.make_node("Add", [f"v{k}", f"v{k}"], [f"v{k + 1}"], name=f"add{k}"))
+    model = make_model(
+        nodes,
+        [("x", FLOAT, [1, 16, 9, 9])],
+        [("v40", FLOAT, [1, 16, 9, 9])],
+        {"w": rand(16, 1, 3, 3)},
+    )
+    after = transform_layout.run(before_layout(model))
+    assert not any(n.op == "LayoutTransform" for n in after.nodes)
