@@ -149,7 +149,7 @@ def _conv(ctx: KernelContext, node: Node):
         layout="packed" if packed else "depthwise" if depthwise else "generic",
         block=block,
     )
-    if depthwise and nsp == 2 and one_vector_load(strides[1], x.dtype):
+    if depthwise and nsp == 2:
         # A window of taps along the output rows (`schedules.depthwise_window_schedule`).
         padded_name = "" if padded is x else padded.name
         ctx.note(conv.name, window="plain", padded=padded_name, width_stride=strides[1])

@@ -184,25 +184,15 @@ def fuse_all(loops: Sequence[str]) -> tuple[list[Record], str]:
 
 
 def conv_schedule(
-    conv: StageInfo, epilogue: StageInfo | None, depthwise: bool, block: int, target: Target
+    conv: StageInfo, epilogue: StageInfo | None, block: int, target: Target
 ) -> list[Record]:
+    """A plain-layout conv whose filters are packed in blocks of `block` output channels:
+    a tile of pixels along the row x one block, the block vectorized."""
     n_loop, m_loop, y_loop, x_loop = (conv.loop(k) for k in range(4))
     width = conv.shape[3]
     reduce_loops = [name for name, _ in conv.reduce_axes]
     records: list[Record] = []
     cache = CacheWrite(conv.name, reduce_loops[0])
-    if depthwise:
-        lanes = _largest_divisor(width, (target.vector_lanes, 8, 4))
-        pixels = Split(x_loop, lanes)
-        records += [pixels]
-        records += [Reorder((n_loop, m_loop, y_loop, pixels.outer, *reduce_loops, pixels.inner))]
-        records += [cache]
-        if lanes > 1:
-            records += [Vectorize(pixels.inner), *_vector_tile_io(cache, len(conv.shape))]
-        if epilogue is not None:
-            records.append(ReverseComputeInline(epilogue.name))
-        planes = Fuse(m_loop, y_loop)
-        return [*records, planes, Parallel(planes.fused)]
     most = max_accumulators(target) // max(block // target.vector_lanes, 1)
     tile = _largest_divisor(width, tuple(range(min(8, most), 1, -1)))
     channels, pixels = Split(m_loop, block), Split(x_loop, tile)
@@ -2065,8 +2055,7 @@ def schedule_for(
                     records += plain_window_schedule(anchor, epilogue, padded, target)
                 handled.add(anchor.note("padded"))
             else:
-                depthwise = layout == "depthwise"
-                records += conv_schedule(anchor, epilogue, depthwise, anchor.note("block"), target)
+                records += conv_schedule(anchor, epilogue, anchor.note("block"), target)
             handled.add(anchor.name)
             if epilogue is not None:
                 handled.add(epilogue.name)

@@ -58,6 +58,7 @@ CASES = {
     "7x7_row_of_56": ([1, 4, 14, 56], 7, 1, 3, 1, True, None),
     "5x5_stride2": ([1, 6, 29, 29], 5, 2, 2, 1, False, None),
     "3x3_stride3_dilated": ([2, 5, 20, 31], 3, 3, 2, 2, True, "Relu"),
+    "5x5_stride5": ([1, 4, 30, 60], 5, 5, 0, 1, True, None),  # lanes 5 apart: gathered
 }
 
 
