@@ -51,6 +51,7 @@ from compiler_core.autotune.search import (
     Tuner,
     config_features,
     measured_record,
+    relative_features,
     retime_configs,
 )
 from compiler_core.autotune.tasks import Task, config_key, extract_tasks
@@ -259,6 +260,14 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int, fraction: float =
         features[slug] = {
             r.config_key: config_features(task, r.config) for r in tables[slug] if r.ok
         }
+    # the cost model's view of each config, as the tuner reads them (`relative_features`)
+    relative = {
+        slug: {
+            key: relative_features(row, config_features(task, task.default_config()))
+            for key, row in features[slug].items()
+        }
+        for slug, task in tasks.items()
+    }
     report = {"cpu": cpu_name(), "seeds": seeds, "goal": fraction, "workloads": {}}
     models = {slug: model for slug, model, _, _ in WORKLOADS}
 
@@ -267,7 +276,10 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int, fraction: float =
         ResNet-18's ("resnet18", for the workloads of other models), with features."""
         return [
             dataclasses.replace(
-                r, features=tuple(features[other][r.config_key]), feature_set=FEATURE_SET
+                r,
+                features=tuple(features[other][r.config_key]),
+                feature_set=FEATURE_SET,
+                default=r.config == tasks[other].default_config(),
             )
             for other, records in tables.items()
             if other != slug and (source == "others" or (models[other] == source != models[slug]))
@@ -295,9 +307,9 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int, fraction: float =
                 for s in range(seeds)
             ]
         for objective in OBJECTIVES:
-            row[f"recall_{objective}"] = _held_out_recall(ok, features[slug], objective, seeds)
+            row[f"recall_{objective}"] = _held_out_recall(ok, relative[slug], objective, seeds)
             row[f"transfer_recall_{objective}"] = _transfer_recall(
-                slug, tables, features, objective
+                slug, tables, relative, objective
             )
         priors = {source: prior_of(source, slug) for source in ("others", "resnet18")}
         row["transfer"] = {

@@ -115,7 +115,11 @@ def tune_sessions(
                     state.features.update(replay.features[state.task.key])
         records, workloads = tuners["warm"].transfer
         if not records:
-            raise SystemExit(f"{source}: no records with features for this machine")
+            raise SystemExit(
+                f"{source}: no records with features for this machine (of workloads whose "
+                "default config was measured: logs older than the record's `default` flag "
+                "have none)"
+            )
         print(f"  seed {seed}: warm learns first from {records} records of {workloads} workloads")
         started = time.monotonic()
         while any(t.trials < trials for t in tuners.values()):

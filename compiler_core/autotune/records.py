@@ -42,6 +42,7 @@ REQUIRED_FIELDS = (
     "config",
     "costs",
 )
+FLAGS = ("retimed", "in_model", "default")  # written only when true
 STRING_FIELDS = (
     "workload_key",
     "workload",
@@ -144,6 +145,10 @@ class TuningRecord:
     # its best: an isolated timing can rank two configs the other way round (resnet18's
     # 14x14 3x3 convs: Winograd F(4x4) 0.38 ms alone, 0.73 in the model; F(2x2) 0.43, 0.46).
     in_model: bool = False
+    # The config is its task's default (the template's rules): the reference a cost model
+    # reads the workload's other configs against (`autotune.search`), which is what lets one
+    # workload's records rank another's configs.
+    default: bool = False
 
     def __post_init__(self) -> None:
         for name in STRING_FIELDS:
@@ -166,7 +171,7 @@ class TuningRecord:
         object.__setattr__(self, "config", _check_config(self.config))
         object.__setattr__(self, "costs", _check_costs(self.costs, self.error))
         object.__setattr__(self, "features", _finite_numbers(self.features, "features"))
-        for flag in ("retimed", "in_model"):
+        for flag in FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise RecordError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
 
@@ -199,7 +204,7 @@ class TuningRecord:
         fields["features"] = list(self.features)
         if not self.features:  # a record without them reads and writes as before they existed
             del fields["features"], fields["feature_set"]
-        for flag in ("retimed", "in_model"):  # likewise a search's own measurement
+        for flag in FLAGS:  # likewise a search's own measurement
             if not fields[flag]:
                 del fields[flag]
         return fields

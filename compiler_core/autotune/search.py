@@ -10,10 +10,11 @@ also holds the configs that ran best on other workloads of its template (`Tuner.
 which carries over what the model's features do not; once the model has been fit on many
 other workloads (`Tuner._informed`), a first batch is the default and the model's top picks
 of the task's whole space instead. The model is
-retrained on every ok measurement of the session and of the log for this target: this
-model's tasks, and every other workload's records that carry their features, in the log or
-in read-only logs given as `transfer_from` (transfer: a model trained on ResNet's convs ranks
-MobileNet's before it has measured any of them). The task scheduler gives each task a first
+retrained on every ok measurement of this model's tasks, on top of a prior fit once on every
+other workload's records that carry their features, in the log for this target or in
+read-only logs given as `transfer_from` (transfer: a model trained on ResNet's convs ranks
+MobileNet's before it has measured any of them, and MobileNet's own records correct it).
+The task scheduler gives each task a first
 batch, the heaviest first (occurrences x FLOPs), then each next batch to the task whose
 trials are expected to save the most model time (`_gradient`: occurrences x the recent and
 the optimistic fall of its best cost per trial; Ansor's gradient idea) while it still
@@ -174,7 +175,8 @@ class Tuner:
             **{state.task.key: state.task.template for state in self.states},
         }
         self._trained_on: set[str] = set()  # the workloads the cost model was fit on
-        self._retrain()  # warm: from the log alone, before this session measures anything
+        self._learn_prior()  # warm: from the logs alone, before this session measures anything
+        self._retrain()  # a resumed session's own records
 
     @property
     def transfer(self) -> tuple[int, int]:
@@ -389,7 +391,7 @@ class Tuner:
             explore = max(1, round(count * self.epsilon)) if not (proven or informed) else 0
             budget = FIRST_SCORED if informed else SCORED_PER_ROUND
             candidates = self._candidates(state, rest, budget)
-            scores = self.model.predict(np.stack([self._features(state, c) for c in candidates]))
+            scores = self.model.predict(np.stack([self._relative(state, c) for c in candidates]))
             ranked = [candidates[k] for k in np.argsort(-scores)]
             greedy = ranked[: max(slots - explore, 0)]
             picked = {config_key(c) for c in greedy}
@@ -402,9 +404,12 @@ class Tuner:
             # cold), this took the median guided/random trials from 0.28 to 0.22 and 0.32 to
             # 0.14 on two seed sets, against a first batch drawn from the whole space.
             rest.sort(key=lambda c: not _one_knob_apart(c, default))
-        # A trained model's first pick is measured first: the default's cost is only wanted
-        # as the baseline, in the same batch.
-        chosen = greedy[:1] + ([default] if default_due else []) + firsts + proven + greedy[1:]
+        # The default is measured first, then the model's first pick: the rules' pick is the
+        # better single guess (Zen 4: 97-99% of the best on four of bench.search's five
+        # workloads, a median 99% on MobileNetV2's 25 tasks, where a model fit on ResNet-18's
+        # log put its first pick at a median 95%), and a warm session whose model is
+        # measured first takes a trial more than a cold one wherever the default is enough.
+        chosen = ([default] if default_due else []) + greedy[:1] + firsts + proven + greedy[1:]
         chosen += rest[: count - len(chosen)]
         return chosen[:count]
 
@@ -476,6 +481,12 @@ class Tuner:
             state.features[key] = config_features(state.task, config)
         return state.features[key]
 
+    def _relative(self, state: TaskState, config: dict) -> np.ndarray:
+        """What the cost model reads: `config`'s features less its task's default's
+        (`relative_features`)."""
+        default = self._features(state, state.task.default_config())
+        return relative_features(self._features(state, config), default)
+
     def _measure(self, state: TaskState, configs: list[dict]) -> None:
         started = time.monotonic()
         results = self.measurer.measure(state.task, configs)
@@ -516,7 +527,7 @@ class Tuner:
         session's records in its own log are trained on as they are measured: `_retrain`.)"""
         own = {state.task.key for state in self.states}
         seen = set()  # a record in two of the logs counts once
-        rows, throughput, groups, templates = [], [], [], {}
+        learnable: dict[str, list[TuningRecord]] = {}  # by workload
         for log in (self.log, *sources):
             for record in log.records(fingerprint=self.fingerprint):
                 identity = (record.workload_key, record.config_key, record.timestamp)
@@ -530,24 +541,41 @@ class Tuner:
                     and record.feature_set == FEATURE_SET
                     and len(record.features) == FEATURE_COUNT
                 ):
-                    rows.append(np.array(record.features, np.float32))
-                    throughput.append(1.0 / record.cost)
-                    groups.append(record.workload_key)
-                    templates.setdefault(record.workload_key, record.template)
+                    learnable.setdefault(record.workload_key, []).append(record)
+        rows, throughput, groups, templates = [], [], [], {}
+        for workload, records in learnable.items():
+            # Each config is read against its workload's default: a workload whose default
+            # was never measured (an older log, a log of best records only) has no reference.
+            reference = next((r.features for r in records if r.default), None)
+            if reference is None:
+                continue
+            for record in records:
+                rows.append(relative_features(record.features, reference))
+                throughput.append(1.0 / record.cost)
+                groups.append(workload)
+            templates[workload] = records[0].template
         return TransferRows(rows, throughput, groups, templates)
 
-    def _retrain(self) -> None:
+    def _learn_prior(self) -> None:
+        """The cost model's prior (`CostModel.learn_prior`): what the records learnt from
+        before measuring (`_transfer_rows`) say, which the session's own records correct."""
         transfer = self._transfer
-        rows, throughput = list(transfer.rows), list(transfer.throughput)
-        groups = list(transfer.workloads)
+        if transfer.rows:
+            rows, throughput = np.stack(transfer.rows), np.array(transfer.throughput)
+            if self.model.learn_prior(rows, throughput, transfer.workloads):
+                self._trained_on = set(self.model.prior_groups)
+
+    def _retrain(self) -> None:
+        """Fit the cost model on the session's records (on top of the prior, if any)."""
+        rows, throughput, groups = [], [], []
         for state in self.states:
             for record in self.log.records(state.task.key, self.fingerprint):
                 if record.ok and record.template_version == state.task.template_version:
-                    rows.append(self._features(state, record.config))
+                    rows.append(self._relative(state, record.config))
                     throughput.append(1.0 / record.cost)
                     groups.append(state.task.key)
         if rows and self.model.fit(np.stack(rows), np.array(throughput), groups):
-            self._trained_on = set(groups)
+            self._trained_on = set(groups) | self.model.prior_groups
 
     # --- what the session found ---------------------------------------------------------
 
@@ -691,8 +719,21 @@ def _one_knob_apart(a: dict, b: dict) -> bool:
 
 
 def config_features(task: Task, config: dict) -> np.ndarray:
-    """The cost model's view of one candidate: features of its scheduled loop program."""
+    """Features of one candidate's scheduled loop program (what the log keeps)."""
     return extract(apply(task.lowered_for(config).func, task.records(config)))
+
+
+def relative_features(features: Sequence[float], default: Sequence[float]) -> np.ndarray:
+    """The cost model's view of a candidate: its features less those of its task's default
+    config. The features are log-scaled counts, so this is how a config's loop program
+    differs from the rules' pick, in ratios (twice the register tile, a tenth of the cache
+    misses), which carries from one workload to another where the counts themselves, set by
+    each workload's size, do not: a model fit on ResNet-18's records ranked MobileNetV2's
+    spaces (Zen 4, bench.transfer's tables) with its first pick at a median 0.81 of each
+    space's best on the counts, 0.95 on the differences, and fit on all but one of
+    MobileNetV2's own tasks, the default and its two top picks held 33% of the gain the
+    spaces hold on the counts, 59% on the differences."""
+    return np.asarray(features, np.float32) - np.asarray(default, np.float32)
 
 
 def measured_record(
@@ -710,6 +751,7 @@ def measured_record(
     `Tuner.retime`."""
     ok = result.error == "ok"
     kept = () if features is None else tuple(float(f"{x:.5g}") for x in features)
+    default = config == task.default_config()
     return TuningRecord(
         workload_key=task.key,
         workload=task.workload,
@@ -727,4 +769,5 @@ def measured_record(
         features=kept,
         feature_set=FEATURE_SET if kept else "",
         retimed=retimed,
+        default=default,
     )

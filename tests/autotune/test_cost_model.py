@@ -74,3 +74,32 @@ def test_few_records_train_a_fixed_number_of_rounds_and_too_few_none():
 def test_an_unknown_objective_is_refused():
     with pytest.raises(ValueError, match="unknown cost model objective"):
         CostModel("mse")
+
+
+def test_a_prior_ranks_alone_until_the_session_fits_and_the_session_corrects_it():
+    """Other workloads' records (speed rising with feature 0) train the prior; this
+    session's workload runs faster as feature 1 rises instead. The prior's order holds
+    before the session has records; a fit on 40 of them, boosted on from the prior's scores,
+    ranks the workload's unmeasured configs by feature 1."""
+    model = CostModel(seed=2)
+    assert model.learn_prior(*records(6, 30, noise=0.02))
+    assert model.trained and model.prior_groups == {f"task{k}" for k in range(6)}
+    rng = np.random.default_rng(7)
+    features = rng.uniform(0, 4, (80, 6)).astype(np.float32)
+    speed = 1 + features[:, 1]
+    by_prior = model.predict(features)
+    assert _spearman(by_prior, 1 + features[:, 0]) > 0.9
+    assert model.fit(features[:40], speed[:40], ["session"] * 40)
+    assert _spearman(model.predict(features[40:]), speed[40:]) > 0.7
+    assert model.chosen == model._prior.chosen  # its scores are the prior's units
+
+
+def test_too_few_records_make_no_prior():
+    features, throughput, groups = records(1, 4, noise=0.0)
+    model = CostModel()
+    assert not model.learn_prior(features, throughput, groups)
+    assert not model.trained and model.prior_groups == frozenset()
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.corrcoef(np.argsort(np.argsort(a)), np.argsort(np.argsort(b)))[0, 1])

@@ -113,6 +113,14 @@ def test_a_retimed_record_says_so_and_a_search_record_writes_as_before():
     assert not TuningRecord.from_json(record().to_json()).retimed
 
 
+def test_a_default_configs_record_says_so_and_others_write_as_before():
+    default = record(default=True)
+    assert TuningRecord.from_json(default.to_json()) == default
+    assert "default" not in record().to_dict()
+    with pytest.raises(RecordError, match="default must be true or false"):
+        record(default=1)
+
+
 def test_an_in_model_record_says_so_and_others_write_as_before():
     timed = record(retimed=True, in_model=True)
     assert TuningRecord.from_json(timed.to_json()) == timed

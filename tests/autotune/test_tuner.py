@@ -376,6 +376,8 @@ def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, meas
         Tuner([conv], target, log, measurer, batch=6, seed=2).run(trials=12)
         learned = [r for r in log.records() if r.ok]
         assert learned and all(r.features and r.feature_set == FEATURE_SET for r in learned)
+        # The default's record says so: the model reads the workload's configs against it.
+        assert [r.config for r in learned if r.default] == [conv.default_config()]
         warm = Tuner([dense], target, log, measurer, batch=6, seed=2)
         assert warm.model.trained and warm.transfer == (len(learned), 1)
         cold_log = FileLog(tmp_path / "cold.jsonl")
@@ -389,6 +391,25 @@ def test_a_tuner_warm_starts_from_other_workloads_records(tmp_path, target, meas
         stale = FileLog(tmp_path / "stale.jsonl")
         stale.extend(dataclasses.replace(r, feature_set="old") for r in learned)
         assert not Tuner([dense], target, stale, measurer).model.trained
+        # Nor a workload whose default was never measured: nothing to read its configs against.
+        undefaulted = FileLog(tmp_path / "undefaulted.jsonl")
+        undefaulted.extend(r for r in learned if not r.default)
+        assert not Tuner([dense], target, undefaulted, measurer).model.trained
+
+
+def test_the_model_reads_each_config_against_its_tasks_default(tmp_path, target, measurer):
+    """What the cost model is fit on and ranks: a config's features less its task's
+    default's, so the default's row is all zeros and one config's row differs between two
+    workloads only as their programs' differences do."""
+    conv = tasks_of(conv_model())[0]
+    with FileLog(tmp_path / "t.jsonl") as log:
+        tuner = Tuner([conv], target, log, measurer, seed=1)
+    (state,) = tuner.states
+    default = conv.default_config()
+    assert not tuner._relative(state, default).any()
+    other = next(c for c in state.space if c != default)
+    expected = search.config_features(conv, other) - search.config_features(conv, default)
+    np.testing.assert_allclose(tuner._relative(state, other), expected, rtol=1e-6)
 
 
 def wide_conv_model():
@@ -463,7 +484,7 @@ def test_a_model_informed_by_many_workloads_picks_a_first_batch_from_the_whole_s
                     measurer,
                     features=search.config_features(task, config),
                 )
-                for config in space[k::3]
+                for config in with_default(task, space[k::3])
             )
         log = FileLog(tmp_path / "t.jsonl")
         tuner = Tuner([task], target, log, measurer, batch=8, seed=1, transfer_from=[source])
@@ -477,9 +498,15 @@ def test_a_model_informed_by_many_workloads_picks_a_first_batch_from_the_whole_s
         assert proven and all(c in batch for c in proven)
         return
     assert tuner._informed(state) and len(batch) == 1 + search.INFORMED_PICKS
-    scores = tuner.model.predict(np.stack([search.config_features(task, c) for c in rest]))
+    scores = tuner.model.predict(np.stack([tuner._relative(state, c) for c in rest]))
     top = [rest[k] for k in np.argsort(-scores)[: search.INFORMED_PICKS]]
-    assert batch == [top[0], default, *top[1:]]
+    assert batch == [default, *top]
+
+
+def with_default(task, configs: list[dict]) -> list[dict]:
+    """`configs` and the task's default (a workload's records are read against it)."""
+    default = task.default_config()
+    return [default, *(c for c in configs if c != default)]
 
 
 def test_workloads_of_another_template_do_not_inform_a_first_batch(tmp_path, target, measurer):
@@ -501,7 +528,7 @@ def test_workloads_of_another_template_do_not_inform_a_first_batch(tmp_path, tar
                     ),
                     template="another_template",
                 )
-                for n, config in enumerate(space[k::3])
+                for n, config in enumerate(with_default(task, space[k::3]))
             )
         tuner = Tuner(
             [task], target, FileLog(tmp_path / "t.jsonl"), measurer, transfer_from=[source]
