@@ -324,6 +324,10 @@ def cmd_tune(args) -> int:
             where = "the logs" if sources else "the log"
             print(f"warm start: the cost model learns from {records} records of {workloads} "
                   f"other workloads in {where}")  # fmt: skip
+        elif sources:
+            print("warm start: none: --transfer-from holds no records of this machine with "
+                  "features, of workloads whose default config was measured (a log written "
+                  "by kiln tune before records flagged their default has none)")  # fmt: skip
         tuner.run(trials=args.trials, time_budget=budget, progress=progress, retime=True)
         if tuner.retimings:
             print(f"re-timed each task's best configs and default: {tuner.retimings} runs")

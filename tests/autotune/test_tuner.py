@@ -628,6 +628,17 @@ def test_kiln_tune_then_compile_with_the_log(tmp_path):
     assert f"best records: 1 of {len(records)}" in compact.stdout
     assert len(log.read_text().splitlines()) == 1
     assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and curves.stat().st_size > 10_000
+    # A log to learn from whose workloads' defaults were never measured teaches nothing: said.
+    (best,) = FileLog(log).records()
+    undefaulted = FileLog(tmp_path / "undefaulted.jsonl")
+    undefaulted.extend([dataclasses.replace(best, default=False)])
+    cold = subprocess.run(
+        [kiln, "tune", str(model), "--trials", "0", "--log", str(tmp_path / "fresh.jsonl"),
+         "--transfer-from", str(undefaulted.path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert cold.returncode == 0, cold.stderr
+    assert "warm start: none" in cold.stdout
 
 
 # --- the algorithm knob: a 3x3 conv's direct and Winograd forms --------------------------------
