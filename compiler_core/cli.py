@@ -364,7 +364,9 @@ def _model_summary(model) -> str:
     on held-out records at the last fit."""
     held_out = ", ".join(f"{o} {q:.2f}" for o, q in model.held_out_quality.items())
     compared = f"; held-out top picks at {held_out} of the best" if held_out else ""
-    return f"{model.chosen}, {model.rounds} boosting rounds{compared}"
+    prior = len(model.prior_groups)
+    over = f" over a prior fit on {prior} other workloads" if prior else ""
+    return f"{model.chosen}, {model.rounds} boosting rounds{over}{compared}"
 
 
 def _applied(log, state, measurer) -> str:
