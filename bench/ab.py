@@ -21,7 +21,13 @@ from pathlib import Path
 import numpy as np
 
 import compiler_core
-from bench.engines import _with_shapes, max_error, ort_runner, timed_by_position
+from bench.engines import (
+    _with_shapes,
+    max_error,
+    ort_runner,
+    random_feeds,
+    timed_by_position,
+)
 from compiler_core.cli import UsageError, parse_shapes
 from compiler_core.errors import UserError
 from compiler_core.runtime import load
@@ -53,17 +59,6 @@ def build(model: str, spec: str, shapes: dict[str, list[int]], threads: int):
     return load(
         compiler_core.compile(model, shapes=shapes or None, tuning=tuning), num_threads=threads
     )
-
-
-def feeds_for(module, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for name, shape, dtype in module.inputs:
-        if np.dtype(dtype).kind == "f":
-            feeds[name] = rng.standard_normal(shape).astype(dtype)
-        else:
-            feeds[name] = rng.integers(0, 10, shape).astype(dtype)
-    return feeds
 
 
 def check_agreement(runners: dict, feeds: dict) -> dict[str, float]:
@@ -120,7 +115,7 @@ def main(argv=None) -> int:
         modules = {
             name: build(args.model, spec, shapes, args.threads) for name, spec in specs.items()
         }
-        feeds = feeds_for(next(iter(modules.values())))
+        feeds = random_feeds(next(iter(modules.values())).inputs)
         runners = {name: module.run for name, module in modules.items()}
         if args.ort:
             runners["onnxruntime"] = ort_runner(_with_shapes(args.model, shapes), args.threads)

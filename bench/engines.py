@@ -247,3 +247,16 @@ def describe() -> str:
     if openvino is None:
         return line + "; OpenVINO not installed (pip install -e '.[bench]')"
     return line + f", OpenVINO {openvino.__version__.split('-')[0]} (f32)"
+
+
+def random_feeds(inputs, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs for a module's (name, shape, dtype) `inputs`: standard normal floats, integers
+    in [0, 10) (token ids, indices) for the rest."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, shape, dtype in inputs:
+        if np.dtype(dtype).kind == "f":
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            feeds[name] = rng.integers(0, 10, shape).astype(dtype)
+    return feeds

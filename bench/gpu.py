@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 
 import compiler_core
-from bench.engines import stats
+from bench.engines import random_feeds, stats
 from bench.run import MODEL_CASES, MODELS_DIR, interleaved, model_file
 from compiler_core.runtime import load
 from compiler_core.runtime.cuda import NoCudaDeviceError
@@ -56,8 +56,7 @@ def bench_model(name: str, shapes, arch: str, reference: str = "cuda") -> dict:
     archive = compiler_core.compile(str(path), target=f"cuda -arch={arch}", shapes=shapes)
     module = load(archive, device="cuda")
     session = _session(path, shapes, PROVIDERS[reference])
-    rng = np.random.default_rng(0)
-    feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
+    feeds = random_feeds(module.inputs)
     ours = module.run(feeds)
     theirs = dict(
         zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True)

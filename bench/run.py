@@ -38,6 +38,7 @@ from bench.engines import (
     BLOCKS,
     compare_and_time,
     describe,
+    random_feeds,
     ratio_cells,
     ratio_columns,
     reference_names,
@@ -156,8 +157,7 @@ def bench_model(name: str, shapes, threads: int, tuning: Path | None = None) -> 
     archive = compiler_core.compile(str(path), shapes=shapes, tuning=tuning)
     compile_seconds = time.perf_counter() - started
     module = load(archive, num_threads=threads)
-    rng = np.random.default_rng(0)
-    feeds = {n: rng.standard_normal(s).astype(d) for n, s, d in module.inputs}
+    feeds = random_feeds(module.inputs)
     references = yardsticks(str(path), threads, shapes)
     tuned = sum(1 for k in archive.manifest["kernels"].values() if isinstance(k, dict))
     return {
