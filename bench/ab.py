@@ -23,8 +23,8 @@ import numpy as np
 import compiler_core
 from bench.engines import (
     _with_shapes,
-    max_error,
     ort_runner,
+    outputs_error,
     random_feeds,
     timed_by_position,
 )
@@ -69,7 +69,7 @@ def check_agreement(runners: dict, feeds: dict) -> dict[str, float]:
     errors = {}
     for name, run in runners.items():
         got = run(feeds)
-        errors[name] = max(max_error(got[key], value) for key, value in expected.items())
+        errors[name] = outputs_error(got, expected)
         if not errors[name] <= TOLERANCE:
             raise UsageError(
                 f"{name!r} differs from {first_name!r}: max error {errors[name]:.2e} of the "

@@ -125,23 +125,15 @@ def _with_shapes(model: Model, shapes: dict[str, list[int]] | None) -> Model:
 def timed_in_blocks(
     engines: dict[str, Callable[[], object]], blocks: int = BLOCKS, block: int = BLOCK
 ) -> dict[str, np.ndarray]:
-    """Times (seconds) of each engine, measured in alternating blocks.
+    """Times (seconds) of each engine, measured in alternating blocks, in the engines' order.
 
     Each block starts after a pause of SETTLE_SECONDS: ORT's worker threads keep spinning for
     about 100 ms after its last call (measured: our next five runs took twice as long), and
     Kiln's and OpenVINO's pool workers spin too; the pause lets each engine's threads park
     before the next one runs. The first run of a block is still dropped.
     """
-    samples = {name: [] for name in engines}
-    for _ in range(blocks):
-        for name, fn in engines.items():
-            time.sleep(SETTLE_SECONDS)
-            for k in range(block):
-                started = time.perf_counter()
-                fn()
-                if k:  # the first run of a block pays for the switch
-                    samples[name].append(time.perf_counter() - started)
-    return {name: np.array(times) for name, times in samples.items()}
+    times = timed_by_position(engines, blocks, block, reverse=False)
+    return {name: t[:, 1:].ravel() for name, t in times.items()}
 
 
 def timed_by_position(
@@ -149,16 +141,18 @@ def timed_by_position(
     blocks: int,
     block: int,
     pause: float = SETTLE_SECONDS,
+    reverse: bool = True,
 ) -> dict[str, np.ndarray]:
     """Times (seconds) of each engine as [blocks, block]: row b holds block b's runs in the
     order they ran, the first included (callers drop or study it). Each block starts after
     `pause`, as the acceptance checks time (an idle vCPU takes a few milliseconds to reach
-    speed again on these hosts, so runs early in a block read slower); the engines' order is
-    reversed every other block, so that neither always follows the same one."""
+    speed again on these hosts, so runs early in a block read slower); with `reverse`, the
+    engines' order is reversed every other block, so that neither always follows the same
+    one."""
     times = {name: np.zeros((blocks, block)) for name in engines}
     names = list(engines)
     for b in range(blocks):
-        for name in names if b % 2 == 0 else names[::-1]:
+        for name in names[::-1] if reverse and b % 2 else names:
             time.sleep(pause)
             for k in range(block):
                 started = time.perf_counter()
@@ -180,6 +174,11 @@ def max_error(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.max(np.abs(ours.astype(np.float64) - theirs))) / scale
 
 
+def outputs_error(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray]) -> float:
+    """`max_error` over the outputs both hold, the largest."""
+    return max(max_error(ours[key], value) for key, value in theirs.items() if key in ours)
+
+
 def compare_and_time(
     ours: Callable[[dict], dict],
     references: dict[str, Runner],
@@ -194,10 +193,7 @@ def compare_and_time(
     Ratios are kiln/engine of medians; "best" is against the faster reference.
     """
     kiln = ours(feeds)
-    errors = {
-        name: max(max_error(kiln[key], value) for key, value in run(feeds).items() if key in kiln)
-        for name, run in references.items()
-    }
+    errors = {name: outputs_error(kiln, run(feeds)) for name, run in references.items()}
     result = {"max_error": errors}
     if not errors["onnxruntime"] <= tolerance:
         result["failed"] = (

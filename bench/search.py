@@ -261,12 +261,10 @@ def evaluate(tasks: dict[str, Task], folder: Path, seeds: int, fraction: float =
             r.config_key: config_features(task, r.config) for r in tables[slug] if r.ok
         }
     # the cost model's view of each config, as the tuner reads them (`relative_features`)
+    defaults = {slug: config_features(task, task.default_config()) for slug, task in tasks.items()}
     relative = {
-        slug: {
-            key: relative_features(row, config_features(task, task.default_config()))
-            for key, row in features[slug].items()
-        }
-        for slug, task in tasks.items()
+        slug: {key: relative_features(row, defaults[slug]) for key, row in features[slug].items()}
+        for slug in tasks
     }
     report = {"cpu": cpu_name(), "seeds": seeds, "goal": fraction, "workloads": {}}
     models = {slug: model for slug, model, _, _ in WORKLOADS}
