@@ -30,10 +30,12 @@ from compiler_core.kernels.schedules import (
 )
 from compiler_core.kernels.strassen import (
     STRASSEN,
+    STRASSEN_PACKED,
     combined_weights,
     gemm_algorithms,
     input_sums,
     output_sums,
+    packed_input_sums,
 )
 from compiler_core.kernels.winograd import (
     default_algorithm,
@@ -698,7 +700,7 @@ def _packed_a_product(
 
     real = (rows, columns)
     product = _dense_stage(ctx, node, shape, body, real, width, None, dtype, mr=mr, weights=weights)
-    ctx.note(product.name, pack_a=packed.name)
+    ctx.note(product.name, pack_a=packed.name, packed_rows=True)
     notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
     ctx.note(product.name, **notes, algorithm=PACKED_A)
     return product
@@ -726,15 +728,13 @@ def _matmul(ctx: KernelContext, node: Node):
     algorithms = _gemm_algorithms(ctx, node.inputs[1], rows_shape, a_type.shape[-1], not a_vector)
     a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
     chosen = _gemm_algorithm(ctx, node, algorithms, rows_shape, a_row_bytes)
-    if chosen == STRASSEN:
+    if chosen in (STRASSEN, STRASSEN_PACKED):
         lead = a_type.shape[:-1]
 
         def a_at(i, k):  # row i of the GEMM
             return a[(*(unflatten(i, lead) if len(lead) > 1 else (i,)), k)]
 
-        return _strassen(
-            ctx, node, a_at, transpose=False, scale=1.0, bias_at=None, algorithms=algorithms
-        )
+        return _strassen(ctx, node, a_at, False, 1.0, None, algorithms, chosen)
     if chosen == PACKED_A:
         lead = a_type.shape[:-1]
 
@@ -856,15 +856,25 @@ def _qlinear_matmul(ctx: KernelContext, node: Node):
 def _gemm_algorithms(ctx: KernelContext, b_value: str, out_shape, depth: int, plain_a: bool):
     """The algorithms a GEMM of `out_shape` ([rows, columns]) can run: Strassen's and the
     packed-A form need constant 2-D weights and a plain [..., K] A (see kernels/strassen.py
-    and `_packed_a_product`)."""
+    and `_packed_a_product`); Strassen's over packed sums where both apply to its products
+    (half the rows, depth and columns)."""
     if not (plain_a and ctx.is_constant(b_value) and ctx.type(b_value).rank == 2):
         return ("direct",)
     rows, columns = out_shape[-2], out_shape[-1]
     algorithms = gemm_algorithms(rows, depth, columns, ctx.target.vector_lanes)
-    packed_rows = packed_row_tile(rows, ctx.target, _gemm_vectors(ctx, columns))
-    if rows >= 2 * packed_rows and depth >= PACKED_A_MIN_DEPTH:
+    if _packs_a(ctx, rows, depth, columns):
         algorithms += (PACKED_A,)
+    if STRASSEN in algorithms and _packs_a(ctx, rows // 2, depth // 2, columns // 2):
+        algorithms += (STRASSEN_PACKED,)
     return algorithms
+
+
+def _packs_a(ctx: KernelContext, rows: int, depth: int, columns: int) -> bool:
+    """Whether a GEMM by constant weights may pack A into row-tile panels: two row tiles or
+    more, and rows long enough for a tile's strided row streams to cost more than one pass
+    over A."""
+    packed_rows = packed_row_tile(rows, ctx.target, _gemm_vectors(ctx, columns))
+    return rows >= 2 * packed_rows and depth >= PACKED_A_MIN_DEPTH
 
 
 def _gemm_vectors(ctx: KernelContext, columns: int) -> int:
@@ -922,10 +932,13 @@ def _note_algorithms(ctx: KernelContext, product: Tensor, algorithms: tuple[str,
         ctx.note(product.name, **notes, algorithm="direct")
 
 
-def _strassen(ctx, node, a_at, transpose, scale: float, bias_at, algorithms) -> list[Tensor]:
+def _strassen(
+    ctx, node, a_at, transpose, scale: float, bias_at, algorithms, algorithm: str = STRASSEN
+) -> list[Tensor]:
     """A GEMM by constant weights (input 1) as one level of Strassen's algorithm: the sums of
-    A's blocks, the seven products by the build-time sums of B's blocks as one batched GEMM
-    (the group's anchor), and the output blocks' sums of products."""
+    A's blocks (in row-tile panels for STRASSEN_PACKED), the seven products by the build-time
+    sums of B's blocks as one batched GEMM (the group's anchor), and the output blocks' sums
+    of products."""
     out = ctx.type(node.outputs[0])
     matrix = ctx.constant(node.inputs[1])
     matrix = matrix.T if transpose else matrix
@@ -933,25 +946,40 @@ def _strassen(ctx, node, a_at, transpose, scale: float, bias_at, algorithms) -> 
         matrix = matrix * np.asarray(scale, matrix.dtype)
     depth, columns = matrix.shape
     rows, dtype = math.prod(out.shape[:-1]), out.dtype
-    sums = input_sums(ctx, node, a_at, rows, depth, dtype)
     combined = combined_weights(matrix)  # [7, K/2, N/2]
     half_rows, half_depth, half_columns = rows // 2, depth // 2, columns // 2
     label = f"strassen{{}}{'t' if transpose else ''}"
     packed, width = packed_panels(ctx, node.inputs[1], label, combined)
     real = (len(combined), half_rows, half_columns)
-    row_bytes = half_depth * np.dtype(dtype).itemsize
-    shape = _tiled_shape(ctx, real, width, row_bytes)
     kk = reduce_axis(half_depth, "rk")
+    if algorithm == STRASSEN_PACKED:
+        mr = packed_row_tile(half_rows, ctx.target, _panel_vectors(width, ctx))
+        sums = packed_input_sums(ctx, node, a_at, rows, depth, mr, dtype)
+        shape = _tiled_shape(ctx, (len(combined), sums.shape[1] * mr, half_columns), width)
+
+        def a_read(p, i):
+            tile, row = Binary("floordiv", i, Const(mr, INDEX)), Binary("mod", i, Const(mr, INDEX))
+            return sums[(p, tile, kk, row)]
+
+        row_bytes = 0
+    else:
+        sums, mr = input_sums(ctx, node, a_at, rows, depth, dtype), 0
+        row_bytes = half_depth * np.dtype(dtype).itemsize
+        shape = _tiled_shape(ctx, real, width, row_bytes)
+
+        def a_read(p, i):
+            return sums[(p, _row(i, half_rows, shape[-2]), kk)]
 
     def body(p, i, j):
-        a_read = sums[(p, _row(i, half_rows, shape[-2]), kk)]
-        return reduce_sum(a_read * _panel_read(packed, width, kk, j, (p,)), kk)
+        return reduce_sum(a_read(p, i) * _panel_read(packed, width, kk, j, (p,)), kk)
 
     product = _dense_stage(
-        ctx, node, shape, body, real, width, None, dtype, row_bytes, weights=packed.name
+        ctx, node, shape, body, real, width, None, dtype, row_bytes, mr, weights=packed.name
     )
     notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
-    ctx.note(product.name, **notes, algorithm=STRASSEN)
+    ctx.note(product.name, **notes, algorithm=algorithm)
+    if algorithm == STRASSEN_PACKED:  # its row tile is the panels'
+        ctx.note(product.name, packed_rows=True)
     return [output_sums(ctx, node, product, out.shape, bias_at, dtype)]
 
 
@@ -977,9 +1005,13 @@ def _gemm(ctx: KernelContext, node: Node):
     algorithms = _gemm_algorithms(ctx, b_value, out.shape, depth, not trans_a)
     a_row_bytes = 0 if trans_a else depth * np.dtype(ctx.type(a_value).dtype).itemsize
     chosen = _gemm_algorithm(ctx, node, algorithms, out.shape, a_row_bytes)
-    if chosen == STRASSEN:
+    if chosen in (STRASSEN, STRASSEN_PACKED):
         bias_at = _gemm_bias(ctx, node, beta) if has_c else None
-        return _strassen(ctx, node, lambda i, k: a[i, k], trans_b, alpha, bias_at, algorithms)
+
+        def a_at(i, k):
+            return a[i, k]
+
+        return _strassen(ctx, node, a_at, trans_b, alpha, bias_at, algorithms, chosen)
     rows = out.shape[0]
     if chosen == PACKED_A:
         product = _packed_a_product(

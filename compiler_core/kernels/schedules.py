@@ -912,7 +912,7 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
     # Packing costs a pass over B; it pays where B's columns are padded (else the last tile
     # reads them through a clamp, lane by lane) or B is computed in the kernel (a transpose).
     packs = ((1, 0) if mm.note("pack_default") else (0, 1)) if mm.note("pack") else (0,)
-    if mm.note("pack_a"):  # the packed panels' width is the row tile
+    if mm.note("packed_rows"):  # A's packed panels are a row tile wide
         mrs = ()
     knobs = (
         Knob("mr", tuple(sorted(set(mrs) | {default_mr})), default_mr),
@@ -1326,6 +1326,16 @@ def strassen_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
         records += [Reorder((tail_p, split.tail_loop)), Unroll(tail_p)]
         records.append(Vectorize(split.tail_loop))
     return [*records, Parallel(i)]
+
+
+def strassen_packed_input_schedule(stage: StageInfo, target: Target) -> list[Record]:
+    """The sums of A's blocks in row-tile panels, [7, tiles, K/2, mr] (kernels/strassen.py
+    `packed_input_sums`): per tile and step of K, the seven products and the tile's rows
+    unrolled (each product's mr values stored side by side, from the 4 x mr values of A they
+    share), parallel over the tiles. Scalar: A's values run along K, the panels' along the
+    rows."""
+    p, t, k, r = (stage.loop(d) for d in range(4))
+    return [Reorder((t, k, p, r)), Unroll(p), Unroll(r), Parallel(t)]
 
 
 def strassen_output_schedule(
@@ -2087,6 +2097,10 @@ def schedule_for(
             handled |= {stage.name, stage.note("winograd_columns")}
         elif stage.note("strassen_input"):
             records += strassen_input_schedule(stage, target)
+            handled.add(stage.name)
+            continue
+        elif stage.note("strassen_packed_input"):
+            records += strassen_packed_input_schedule(stage, target)
             handled.add(stage.name)
             continue
         elif stage.note("strassen_output"):

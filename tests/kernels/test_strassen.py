@@ -20,22 +20,25 @@ from compiler_core.autotune.tasks import ALGORITHM, config_key, extract_tasks
 from compiler_core.build import lower_group
 from compiler_core.frontend.onnx import import_model
 from compiler_core.kernels.base import KernelError
-from compiler_core.kernels.schedules import default_schedule
+from compiler_core.kernels.schedules import TEMPLATES, default_schedule
 from compiler_core.kernels.strassen import (
     ALPHA,
     BETA,
     GAMMA,
     STRASSEN,
+    STRASSEN_PACKED,
     combined_weights,
     gemm_algorithms,
 )
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.schedule.primitives import ReverseComputeInline
-from compiler_core.target import host_target
+from compiler_core.target import host_target, parse_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
 
 RNG = np.random.default_rng(31)
+AVX2 = parse_target("llvm -mattr=+avx2,+fma")
+AVX512 = parse_target("llvm -mattr=+avx2,+fma,+avx512f")
 
 
 def rand(*shape, scale=1.0):
@@ -132,27 +135,41 @@ def measurer():
         yield m
 
 
-def strassen_log(model, path, measurer, measure=False):
+def strassen_log(model, path, measurer, measure=False, algorithm=STRASSEN):
     """A tuning log whose record for every GEMM task that can run Strassen's algorithm picks
-    it (its template's default knobs), timed by `measurer` when `measure`."""
+    it (`algorithm`, its template's default knobs), timed by `measurer` when `measure`."""
     tasks = [t for t in extract_tasks(optimize(import_model(model)), host_target()) if t.algorithms]
     with FileLog(path) as log:
         for task in tasks:
-            config = next(c for c in task.space() if c[ALGORITHM] == STRASSEN)
+            config = next(c for c in task.space() if c[ALGORITHM] == algorithm)
             (result,) = measurer.measure(task, [config]) if measure else (Result((1e-6,)),)
             log.append(measured_record(task, config, result, measurer))
     return tasks
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_strassen_gemms_match_onnxruntime(name, tmp_path, measurer):
+# The cases whose products read the sums in row-tile panels too: tiles that pad the rows (20
+# rows a product, 40 split across two batches) or not, a bias of its own shape, no epilogue.
+PACKED_CASES = (
+    "gemm_bias_relu",
+    "gemm_untransposed_scaled_matrix_bias",
+    "gemm_no_bias_no_epilogue",
+    "gemm_padded_product_rows",
+    "batched_rows_split_a_batch",
+)
+
+
+@pytest.mark.parametrize(
+    "name, algorithm",
+    [(name, STRASSEN) for name in CASES] + [(name, STRASSEN_PACKED) for name in PACKED_CASES],
+)
+def test_strassen_gemms_match_onnxruntime(name, algorithm, tmp_path, measurer):
     model = CASES[name]()
-    tasks = strassen_log(model, tmp_path / "t.jsonl", measurer, measure=True)
-    assert len(tasks) == 1 and {"direct", STRASSEN} <= tasks[0].variants.keys(), name
+    tasks = strassen_log(model, tmp_path / "t.jsonl", measurer, measure=True, algorithm=algorithm)
+    assert len(tasks) == 1 and {"direct", algorithm} <= tasks[0].variants.keys(), name
     archive = compiler_core.compile(model, tuning=str(tmp_path / "t.jsonl"))
     assert archive.manifest["verification"]["passed"], archive.manifest["verification"]
     (note,) = [k for k in archive.manifest["kernels"].values() if isinstance(k, dict)]
-    assert note["config"][ALGORITHM] == STRASSEN
+    assert note["config"][ALGORITHM] == algorithm
     x = model.graph.input[0].type.tensor_type.shape.dim
     feeds = {"x": rand(*(d.dim_value for d in x))}
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -184,11 +201,41 @@ def test_a_build_from_explicit_configs_runs_each_named_task_at_its_config():
         compile_graph(graph, host_target(), tuning="log.jsonl", configs={task.key: config})
 
 
-def strassen_stages(model):
-    graph = optimize(import_model(model), target=host_target())
+def strassen_stages(model, algorithm=STRASSEN, target=None):
+    target = target or host_target()
+    graph = optimize(import_model(model), target=target)
     (group,) = graph.groups
-    choices = {"gemm_algorithm": STRASSEN}
-    return lower_group(graph, group, 0, host_target(), choices).stages
+    return lower_group(graph, group, 0, target, {"gemm_algorithm": algorithm}).stages
+
+
+def gemm_algorithms_of(model, target):
+    (task,) = extract_tasks(optimize(import_model(model), target=target), target)
+    return task.algorithms
+
+
+def test_strassen_over_packed_sums_is_offered_where_its_products_could_pack_a():
+    """Strassen's products read the sums of A's blocks in row-tile panels where Strassen
+    applies and its products (half the rows, depth and columns) hold two packed row tiles."""
+    for target in (AVX2, AVX512):
+        assert STRASSEN_PACKED in gemm_algorithms_of(gemm_model(64, 512, 512), target)
+    # 8 rows a product: one AVX-512 tile holds them all; AVX2's 4-row tiles take two.
+    assert STRASSEN_PACKED not in gemm_algorithms_of(gemm_model(16, 1024, 1024), AVX512)
+    assert STRASSEN_PACKED in gemm_algorithms_of(gemm_model(16, 1024, 1024), AVX2)
+    assert STRASSEN_PACKED not in gemm_algorithms_of(gemm_model(63, 512, 512), AVX2)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_the_packed_sums_are_row_tile_panels_that_fix_the_products_row_tile(target):
+    """The pass over A writes each product's sums as [tiles, K/2, mr] panels (rows past the
+    real ones repeat the last), and the products' template offers that row tile only."""
+    stages = strassen_stages(gemm_model(40, 800, 768), STRASSEN_PACKED, target)
+    (sums,) = [s for s in stages if s.name.startswith("strsa")]
+    (product,) = [s for s in stages if s.note("packed_rows")]
+    mr = product.note("mr")
+    assert sums.shape == (7, -(-20 // mr), 400, mr)
+    assert product.shape[:2] == (7, sums.shape[1] * mr)
+    knobs = {k.name: k for k in TEMPLATES["dense"].knobs(product, target)}
+    assert knobs["mr"].choices == (mr,) and "pack_a_at" not in knobs
 
 
 def test_the_epilogue_runs_in_the_output_sums():
