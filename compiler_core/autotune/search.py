@@ -295,7 +295,7 @@ class Tuner:
         others = len(self._first_points(state))
         if self._informed(state):
             return 1 + INFORMED_PICKS + others
-        if self.model.trained:
+        if self._knows_template(state):
             return max(self.batch // 2, 2) + others
         return self.batch + others
 
@@ -327,6 +327,26 @@ class Tuner:
         unique = {config_key(c): c for c in points if config_key(c) not in state.visited}
         return list(unique.values())
 
+    def _template_workloads(self, state: TaskState) -> int:
+        """Workloads of the task's template other than the task's that the cost model was
+        fit on."""
+        template = state.task.template
+        others = self._trained_on - {state.task.key}
+        return sum(1 for key in others if self._templates.get(key) == template)
+
+    def _knows_template(self, state: TaskState) -> bool:
+        """Whether the model may pick in a task's first batch: it was fit on the task's own
+        records, or on another workload of its template. A model fit on other templates'
+        loop programs only ranks the task's space worse than the default's neighbours do:
+        on Zen 3, a session warm from ResNet-18's log (no chained convs) picked MobileNetV2's
+        chained expand + depthwise tasks' first batches from the model, half a batch each,
+        and held 12% of the gain the spaces hold after 24 trials where the cold session,
+        which measures the default's neighbours, held 53% (bench.transfer's replay, 12
+        seeds)."""
+        if not self.model.trained:
+            return False
+        return state.task.key in self._trained_on or self._template_workloads(state) > 0
+
     def _informed(self, state: TaskState) -> bool:
         """Whether the cost model was fit on INFORMED_WORKLOADS workloads of the task's
         template other than the task's: from a log to learn from (transfer), or after that
@@ -335,13 +355,7 @@ class Tuner:
         MobileNetV2's chained convs' first batches at 1.24 of their best after 60 trials,
         where the default's neighbours stood at 1.01-1.02 (the warm session then took 2.55
         times the cold one's trials to 95% of the final quality)."""
-        template = state.task.template
-        others = {
-            key
-            for key in self._trained_on - {state.task.key}
-            if self._templates.get(key) == template
-        }
-        return self.model.trained and len(others) >= INFORMED_WORKLOADS
+        return self.model.trained and self._template_workloads(state) >= INFORMED_WORKLOADS
 
     def step(self, state: TaskState, count: int) -> int:
         """One batch of `state`'s task: choose up to `count` unvisited configs, measure them,
@@ -385,7 +399,8 @@ class Tuner:
         taken = {config_key(c) for c in proven}
         rest = [c for c in rest if config_key(c) not in taken]
         greedy: list[dict] = []
-        if self.model.trained and rest:
+        knows = self._knows_template(state)
+        if knows and rest:
             slots = count - int(default_due) - len(proven) - len(firsts)
             # proven configs explore beyond the model too: the model keeps one pick at least
             explore = max(1, round(count * self.epsilon)) if not (proven or informed) else 0
@@ -397,12 +412,13 @@ class Tuner:
             picked = {config_key(c) for c in greedy}
             rest = [c for c in rest if config_key(c) not in picked]
         self.rng.shuffle(rest)
-        if not self.model.trained:
-            # Nothing to rank yet: the default's neighbours (one knob changed) first, in random
-            # order. The default is the rules' pick, 66-99% of the best on the workloads that
-            # bench.search measures, and good configs sit near it: replayed there (15 seeds,
-            # cold), this took the median guided/random trials from 0.28 to 0.22 and 0.32 to
-            # 0.14 on two seed sets, against a first batch drawn from the whole space.
+        if not knows:
+            # No model that knows the template yet: the default's neighbours (one knob
+            # changed) first, in random order. The default is the rules' pick, 66-99% of the
+            # best on the workloads that bench.search measures, and good configs sit near it:
+            # replayed there (15 seeds, cold), this took the median guided/random trials from
+            # 0.28 to 0.22 and 0.32 to 0.14 on two seed sets, against a first batch drawn
+            # from the whole space.
             rest.sort(key=lambda c: not _one_knob_apart(c, default))
         # The default is measured first, then the model's first pick: the rules' pick is the
         # better single guess (Zen 4: 97-99% of the best on four of bench.search's five

@@ -509,33 +509,53 @@ def with_default(task, configs: list[dict]) -> list[dict]:
     return [default, *(c for c in configs if c != default)]
 
 
-def test_workloads_of_another_template_do_not_inform_a_first_batch(tmp_path, target, measurer):
-    """A model fit on many workloads of one template ranks another template's space no
-    better than blind: its task's first batch is not left to the model's picks."""
-    (task,) = tasks_of(pointwise_conv_model())
+def source_of(task, path, measurer, workloads: int, template: str) -> FileLog:
+    """A log to learn from: `workloads` other workloads of `template`, each with a third of
+    the task's space (and its default) measured, their features the task's."""
     space = task.space()
-    with FileLog(tmp_path / "source.jsonl") as source:
-        for k in range(search.INFORMED_WORKLOADS + 2):
-            other = dataclasses.replace(task, key=f"other-workload-{k}")
-            source.extend(
-                dataclasses.replace(
-                    search.measured_record(
-                        other,
-                        config,
-                        search.Result(costs=(1.0 + 0.01 * n,)),
-                        measurer,
-                        features=search.config_features(task, config),
-                    ),
-                    template="another_template",
-                )
-                for n, config in enumerate(with_default(task, space[k::3]))
+    source = FileLog(path)
+    for k in range(workloads):
+        other = dataclasses.replace(task, key=f"other-workload-{k}")
+        source.extend(
+            dataclasses.replace(
+                search.measured_record(
+                    other,
+                    config,
+                    search.Result(costs=(1.0 + 0.01 * n,)),
+                    measurer,
+                    features=search.config_features(task, config),
+                ),
+                template=template,
             )
+            for n, config in enumerate(with_default(task, space[k::3]))
+        )
+    return source
+
+
+def test_workloads_of_another_template_do_not_inform_a_first_batch(tmp_path, target, measurer):
+    """A model fit on workloads of other templates only ranks a task's space no better than
+    blind: its first batch is a cold one (a whole batch, the default and its neighbours),
+    not the model's picks. One workload of the task's template and the model picks in half
+    a batch; INFORMED_WORKLOADS of them and it picks all of it (see the test above)."""
+    (task,) = tasks_of(pointwise_conv_model())
+    many = search.INFORMED_WORKLOADS + 2
+    with source_of(task, tmp_path / "other.jsonl", measurer, many, "another_template") as other:
         tuner = Tuner(
-            [task], target, FileLog(tmp_path / "t.jsonl"), measurer, transfer_from=[source]
+            [task], target, FileLog(tmp_path / "t.jsonl"), measurer, transfer_from=[other]
         )
     (state,) = tuner.states
-    assert tuner.model.trained and not tuner._informed(state)
-    assert tuner._batch_for(state) > 1 + search.INFORMED_PICKS
+    assert tuner.model.trained and not tuner._knows_template(state)
+    firsts = tuner._first_points(state)
+    assert tuner._batch_for(state) == tuner.batch + len(firsts)
+    default = task.default_config()
+    batch = tuner._choose(state, 4 + len(firsts))
+    assert batch[0] == default and batch[1 : 1 + len(firsts)] == firsts
+    assert all(search._one_knob_apart(c, default) for c in batch[1 + len(firsts) :])
+    with source_of(task, tmp_path / "same.jsonl", measurer, 1, task.template) as same:
+        tuner = Tuner([task], target, FileLog(tmp_path / "u.jsonl"), measurer, transfer_from=[same])
+    (state,) = tuner.states
+    assert tuner._knows_template(state) and not tuner._informed(state)
+    assert tuner._batch_for(state) == tuner.batch // 2 + len(tuner._first_points(state))
 
 
 def test_a_proven_config_is_mapped_to_the_nearest_config_of_the_space():
