@@ -286,10 +286,10 @@ class Tuner:
 
     def _batch_for(self, state: TaskState) -> int:
         """A task's first batch: the default and the top picks of an informed model
-        (`_informed`); half a batch once the model is trained at all (its top picks, the
-        default, proven configs and one at random); a whole batch before; each with the
-        first points (`_first_points`) on top. A model of many tasks is covered sooner, and
-        the next batches go where the gains are."""
+        (`_informed`); half a batch once the model knows the task's template
+        (`_knows_template`: its top picks, the default, proven configs and one at random); a
+        whole batch before; each with the first points (`_first_points`) on top. A model of
+        many tasks is covered sooner, and the next batches go where the gains are."""
         if state.trials:
             return self.batch
         others = len(self._first_points(state))
@@ -379,12 +379,13 @@ class Tuner:
 
     def _choose(self, state: TaskState, count: int) -> list[dict]:
         """The next batch: the configs the model ranks fastest among the candidates (when it
-        is trained), the default point while it is unmeasured, in a task's first batch its
-        first points (`_first_points`: other algorithms' defaults, the pivots' other values)
-        and the configs proven on other workloads of its template (`_proven`), and an epsilon
-        share at random (before the model has anything to learn from, the rest of the batch: the
-        default's neighbours, then the rest of the space). An informed model (`_informed`)
-        picks all of a task's first batch but the default, from the whole space."""
+        knows the task's template, `_knows_template`), the default point while it is
+        unmeasured, in a task's first batch its first points (`_first_points`: other
+        algorithms' defaults, the pivots' other values) and the configs proven on other
+        workloads of its template (`_proven`), and an epsilon share at random (before the
+        model knows the template, the rest of the batch: the default's neighbours, then the
+        rest of the space). An informed model (`_informed`) picks all of a task's first batch
+        but the default, from the whole space."""
         default = state.task.default_config()
         default_due = config_key(default) not in state.visited
         rest = [c for c in state.unvisited() if c != default]
