@@ -695,8 +695,7 @@ def _packed_a_product(
     shape = _tiled_shape(ctx, (tiles * mr, columns), width)
 
     def body(i, j):
-        tile, row = Binary("floordiv", i, Const(mr, INDEX)), Binary("mod", i, Const(mr, INDEX))
-        return reduce_sum(packed[tile, kk, row] * b_at((), kk, j), kk)
+        return reduce_sum(_panel_row(packed, (), i, kk, mr) * b_at((), kk, j), kk)
 
     real = (rows, columns)
     product = _dense_stage(ctx, node, shape, body, real, width, None, dtype, mr=mr, weights=weights)
@@ -704,6 +703,13 @@ def _packed_a_product(
     notes = {"algorithms": algorithms, "algorithm_choice": "gemm_algorithm"}
     ctx.note(product.name, **notes, algorithm=PACKED_A)
     return product
+
+
+def _panel_row(panels: Tensor, batch: tuple, i, k, mr: int):
+    """Row i of A at reduction step k, from A packed into [*batch, rows / mr, K, mr] row-tile
+    panels (the packed-A GEMM's, or Strassen's sums packed alike)."""
+    tile, row = Binary("floordiv", i, Const(mr, INDEX)), Binary("mod", i, Const(mr, INDEX))
+    return panels[(*batch, tile, k, row)]
 
 
 def _cropped(ctx: KernelContext, node: Node, product: Tensor, out_shape) -> Tensor:
@@ -958,8 +964,7 @@ def _strassen(
         shape = _tiled_shape(ctx, (len(combined), sums.shape[1] * mr, half_columns), width)
 
         def a_read(p, i):
-            tile, row = Binary("floordiv", i, Const(mr, INDEX)), Binary("mod", i, Const(mr, INDEX))
-            return sums[(p, tile, kk, row)]
+            return _panel_row(sums, (p,), i, kk, mr)
 
         row_bytes = 0
     else:
