@@ -31,6 +31,13 @@ def clamp(index: Expr, size: int) -> Expr:
     return Binary("max", Binary("min", index, Const(size - 1, INDEX)), Const(0, INDEX))
 
 
+def padded_row(i: Expr, rows: int, padded_rows: int) -> Expr:
+    """Row `i` of a matrix of `rows` rows read by a loop over `padded_rows` (a partial last
+    register tile): the rows past the real ones read the last one, so every read stays in
+    bounds; what they compute is cropped."""
+    return Binary("min", i, Const(rows - 1, INDEX)) if padded_rows != rows else i
+
+
 def _strides(shape: Sequence[int]) -> list[int]:
     strides, step = [], 1
     for dim in reversed(shape):

@@ -21,7 +21,7 @@ from compiler_core.graph.ops.conv_transpose import col2im_grid
 from compiler_core.graph.ops.layout import block_cost
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.kernels.base import Builder, KernelContext, KernelError, broadcast_index
-from compiler_core.kernels.injective import clamp, flatten, unflatten
+from compiler_core.kernels.injective import clamp, flatten, padded_row, unflatten
 from compiler_core.kernels.schedules import (
     GEMM_COLUMN_STEP,
     gemm_row_tile,
@@ -616,12 +616,6 @@ def _panel_vectors(width: int, ctx: KernelContext) -> int:
     return max(width // ctx.target.vector_lanes, 1)
 
 
-def _row(i, rows: int, padded_rows: int):
-    """A row of A: the rows past the real ones (in a partial last register tile) read the last
-    row, so every read stays in bounds; their products are cropped."""
-    return Binary("min", i, Const(rows - 1, INDEX)) if padded_rows != rows else i
-
-
 def _dense_stage(
     ctx,
     node,
@@ -660,7 +654,8 @@ def constant_product(
     shape = _tiled_shape(ctx, (rows, columns), width)
 
     def body(i, j):
-        return reduce_sum(a_at(_row(i, rows, shape[0]), kk) * _panel_read(panels, width, kk, j), kk)
+        row = padded_row(i, rows, shape[0])
+        return reduce_sum(a_at(row, kk) * _panel_read(panels, width, kk, j), kk)
 
     real = (rows, columns)
     return _dense_stage(
@@ -685,7 +680,7 @@ def _packed_a_product(
     tiles = -(-rows // mr)
 
     def pack(t, k, r):
-        return a_at(_row(t * Const(mr, INDEX) + r, rows, tiles * mr), k)
+        return a_at(padded_row(t * Const(mr, INDEX) + r, rows, tiles * mr), k)
 
     dtype = ctx.type(node.outputs[0]).dtype
     packed = compute((tiles, depth, mr), pack, ctx.stage_name(node, "packa"), dtype)
@@ -763,7 +758,8 @@ def _matmul(ctx: KernelContext, node: Node):
         b_read = b_at(broadcast_index(b_batch, batch_shape, batch), kk, j)
         if a_vector:
             return reduce_sum(a[(kk,)] * b_read, kk)
-        a_index = (*broadcast_index(a.shape[:-2], batch_shape, batch), _row(i, rows, shape[-2]))
+        row = padded_row(i, rows, shape[-2])
+        a_index = (*broadcast_index(a.shape[:-2], batch_shape, batch), row)
         return reduce_sum(a[(*a_index, kk)] * b_read, kk)
 
     product = _dense_stage(
@@ -973,7 +969,7 @@ def _strassen(
         shape = _tiled_shape(ctx, real, width, row_bytes)
 
         def a_read(p, i):
-            return sums[(p, _row(i, half_rows, shape[-2]), kk)]
+            return sums[(p, padded_row(i, half_rows, shape[-2]), kk)]
 
     def body(p, i, j):
         return reduce_sum(a_read(p, i) * _panel_read(packed, width, kk, j, (p,)), kk)
@@ -1056,7 +1052,7 @@ def _direct_gemm(
     shape = _tiled_shape(ctx, out.shape, width, a_row_bytes, pack)
 
     def body(i, j):
-        row = _row(i, rows, shape[0])
+        row = padded_row(i, rows, shape[0])
         a_at = a[(kk, row) if trans_a else (row, kk)]
         return reduce_sum(a_at * b_at((), kk, j), kk)
 

@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from compiler_core.kernels.base import KernelContext
-from compiler_core.kernels.injective import flatten
+from compiler_core.kernels.injective import flatten, padded_row
 from compiler_core.kernels.winograd import select_case, sparse_sum
 from compiler_core.loop.ir import INDEX, Binary, Const
 from compiler_core.te import Tensor, compute
@@ -129,9 +129,7 @@ def packed_input_sums(
     tiles = -(-half_rows // mr)
 
     def body(p, t, k, r):
-        i = t * Const(mr, INDEX) + r
-        if tiles * mr != half_rows:
-            i = Binary("min", i, Const(half_rows - 1, INDEX))
+        i = padded_row(t * Const(mr, INDEX) + r, half_rows, tiles * mr)
         return _block_sums(a_at, p, i, k, half_rows, half_depth, dtype)
 
     shape = (PRODUCTS, tiles, half_depth, mr)
