@@ -60,7 +60,10 @@ class ArtifactKernels(BaseModel):
     target: str | None = None
     kernels: list[Kernel]
     distinct_kernels: int | None = None
-    workspace_bytes: int | None = None
+    workspace_bytes: int | None = Field(default=None, description="the run's planned buffers")
+    kernel_scratch_bytes: int | None = Field(
+        default=None, description="the most one kernel takes beside the workspace in a call"
+    )
     compile_seconds: float | None = None
     tuning_seconds: float | None = Field(
         default=None, description="from the job that built it: tuning stage to building stage"
@@ -184,12 +187,14 @@ def artifact_kernels(digest: Digest, tenant: Tenant, platform: PlatformDep):
         else:
             kernels.append(Kernel(name=name, schedule="default"))
     store_manifest = platform.artifact_manifest(tenant, digest)
+    memory = manifest.get("memory") or {}
     return ArtifactKernels(
         artifact=digest,
         target=manifest.get("target"),
         kernels=kernels,
         distinct_kernels=manifest.get("distinct_kernels"),
-        workspace_bytes=(manifest.get("memory") or {}).get("workspace_bytes"),
+        workspace_bytes=memory.get("workspace_bytes"),
+        kernel_scratch_bytes=memory.get("kernel_scratch_bytes"),
         compile_seconds=store_manifest.get("compile_seconds"),
         tuning_seconds=_tuning_seconds(platform, job) if job else None,
         latency_ms=latency_ms,

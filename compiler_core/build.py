@@ -22,7 +22,7 @@ from compiler_core.codegen.native import compile_kernels, emit_object
 from compiler_core.graph.ir import Graph, TensorType
 from compiler_core.kernels import KERNELS, KernelContext, KernelError, weight_prefetch
 from compiler_core.kernels.schedules import StageInfo, default_schedule, transposed_read_tiles
-from compiler_core.loop.ir import PrimFunc
+from compiler_core.loop.ir import Allocate, Block, For, ForKind, IfThenElse, PrimFunc, Stmt
 from compiler_core.schedule.primitives import Record, apply
 from compiler_core.target import Target
 from compiler_core.te.lower import stages_of
@@ -193,6 +193,33 @@ class MemoryPlan:
     offsets: dict[str, int]  # intermediate value -> workspace offset
     workspace_bytes: int
     naive_bytes: int  # what one buffer per intermediate would take
+
+
+def scratch_bytes(stmt: Stmt, threads: int) -> int:
+    """The most bytes a kernel holds at once in blocks of its own, outside the workspace plan
+    (an `Allocate` of a non-local buffer: a Winograd conv's transformed tiles, a GEMM's packed
+    panels, taken from the process's cache of blocks, codegen/kiln_workspace.c, and given
+    back before the kernel returns): nested blocks together, one after another in turn, and
+    a parallel loop's blocks once for each of the `threads` that run its iterations."""
+    if isinstance(stmt, Allocate):
+        own = 0 if stmt.buffer.scope == "local" else stmt.buffer.nbytes
+        return own + scratch_bytes(stmt.body, threads)
+    if isinstance(stmt, For):
+        inner = scratch_bytes(stmt.body, threads)
+        return inner * min(stmt.extent, threads) if stmt.kind == ForKind.PARALLEL else inner
+    if isinstance(stmt, Block):
+        return max((scratch_bytes(s, threads) for s in stmt.stmts), default=0)
+    if isinstance(stmt, IfThenElse):
+        branches = (stmt.then, stmt.otherwise) if stmt.otherwise else (stmt.then,)
+        return max(scratch_bytes(s, threads) for s in branches)
+    return 0  # stores, prefetches and barriers hold nothing
+
+
+def largest_scratch(kernels: Sequence[GroupKernel], threads: int) -> tuple[int, str]:
+    """(bytes, kernel) of the kernel that holds the most scratch in one call (`scratch_bytes`):
+    what a run needs beyond its planned workspace, the kernels running one at a time."""
+    sizes = [(scratch_bytes(k.func.body, threads), k.name) for k in kernels]
+    return max(sizes, key=lambda size: size[0], default=(0, ""))
 
 
 def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:

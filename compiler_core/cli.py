@@ -172,6 +172,11 @@ def cmd_compile(args) -> int:
         f"  kernels: {len(manifest['kernels'])} ({manifest['distinct_kernels']} distinct); "
         f"workspace {memory['workspace_bytes']} bytes{reuse}"
     )
+    if memory.get("kernel_scratch_bytes"):
+        print(
+            f"  kernel scratch: up to {memory['kernel_scratch_bytes']} bytes in one call "
+            f"({memory['kernel_scratch_kernel']}), beside the workspace"
+        )
     if buckets:
         print(f"  batch buckets: {manifest['batch_buckets']} (any batch up to the largest)")
     for name, shape in manifest.get("defaulted_shapes", {}).items():

@@ -21,7 +21,7 @@ from compiler_core.batching import (
     check_buckets,
     with_symbolic_batch,
 )
-from compiler_core.build import CompiledModel, build_graph, describe_types
+from compiler_core.build import CompiledModel, build_graph, describe_types, largest_scratch
 from compiler_core.codegen.native import link_shared
 from compiler_core.frontend.onnx import defaulted_shapes, import_model, load_model
 from compiler_core.graph.ir import Graph
@@ -141,6 +141,14 @@ def _kernel_notes(graph: Graph, kernels, tuned: dict[str, dict]) -> dict:
     }
 
 
+def _scratch_fields(kernels, target: Target) -> dict:
+    """The manifest's account of the memory a run takes beyond its planned workspace: the
+    most scratch one kernel holds in a call (`largest_scratch`, its threads at the target's
+    core count) and which kernel that is."""
+    size, kernel = largest_scratch(kernels, target.cores)
+    return {"kernel_scratch_bytes": size, **({"kernel_scratch_kernel": kernel} if size else {})}
+
+
 def _prefetch_notes(kernels) -> dict:
     """Per kernel that prefetches later kernels' weights: which bytes of which value."""
     return {
@@ -197,6 +205,7 @@ def _members(
         memory={
             "workspace_bytes": compiled.memory.workspace_bytes,
             "naive_bytes": compiled.memory.naive_bytes,
+            **_scratch_fields(compiled.kernels, compiled.target),
         },
     )
 
@@ -237,7 +246,10 @@ def _bucket_members(
         kernels=notes,
         weight_prefetches=prefetches,
         distinct_kernels=len({k.symbol for k in kernels}),
-        memory={"workspace_bytes": plan["workspace_bytes"]},
+        memory={
+            "workspace_bytes": plan["workspace_bytes"],
+            **_scratch_fields(kernels, built.target),
+        },
     )
 
 

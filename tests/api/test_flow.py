@@ -133,6 +133,10 @@ def test_artifact_runs_and_matches_numpy(client_a, compiled):
     assert zipfile.ZipFile(io.BytesIO(response.content)).testzip() is None
     outputs = load(response.content, num_threads=1).run({"x": X})
     np.testing.assert_allclose(outputs["z"], mlp_expected(X), rtol=1e-5, atol=1e-5)
+    built = json.loads(zipfile.ZipFile(io.BytesIO(response.content)).read("manifest.json"))
+    kernels = client_a.get(f"/v1/artifacts/{digest}/kernels").json()
+    for field in ("workspace_bytes", "kernel_scratch_bytes"):  # the build's memory account
+        assert kernels[field] == built["memory"][field], field
 
     manifest = client_a.get(f"/v1/artifacts/{digest}/manifest")
     assert manifest.status_code == 200

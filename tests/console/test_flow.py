@@ -72,6 +72,7 @@ def test_upload_compile_tune_deploy_and_infer(console: Console, mlp_path, tmp_pa
     schedules = {r.get_attribute("data-schedule") for r in console.find_all("#kernels tbody tr")}
     assert "tuned" in schedules, schedules
     assert "e-" in console.text("#verification-error")
+    assert "workspace" in console.text("#artifact-memory")
     assert "%" in console.text("#kernels"), "a tuned kernel's share of the model's time"
     console.screenshot("artifact")
 

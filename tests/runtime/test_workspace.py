@@ -1,7 +1,8 @@
 """The cache kernels take their workspace blocks from (codegen/kiln_workspace.c): a kernel's
 workspace is not faulted in from fresh pages on every call, a freed block serves the next
 request it covers (the smallest that does), the cache keeps a bounded number of blocks, and
-every library of a process shares the first one's cache."""
+every library of a process shares the first one's cache. What a kernel takes is counted at
+build time (`build.scratch_bytes`) and reported in the manifest and by `kiln compile`."""
 
 from __future__ import annotations
 
@@ -11,13 +12,32 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from onnx import helper
 
-from compiler_core import te
+import compiler_core
+from compiler_core import cli, te
+from compiler_core.build import build_kernels, scratch_bytes
 from compiler_core.codegen.llvm import build_module
 from compiler_core.codegen.native import WORKSPACE_SOURCE, compiler_driver, emit_object, link_shared
+from compiler_core.frontend.onnx import import_model
+from compiler_core.loop.ir import (
+    INDEX,
+    Allocate,
+    Block,
+    Buffer,
+    Const,
+    For,
+    ForKind,
+    IfThenElse,
+    Store,
+    Var,
+)
+from compiler_core.passes.pipeline import optimize
 from compiler_core.schedule.primitives import Parallel, apply
 from compiler_core.target import host_target
+from tests.conftest import FLOAT, make_model
 
 KB = 1024
 KEPT_BLOCKS = 8  # kiln_workspace.c's KILN_KEPT_BLOCKS
@@ -94,6 +114,82 @@ def test_a_library_loaded_later_takes_its_workspace_from_the_first_ones_cache(tm
     paths = [link_shared([obj], tmp_path / f"staged{k}.so") for k in range(2)]
     faults = page_faults(paths)
     assert faults[-1] <= OUTPUT_PAGES, faults
+
+
+def test_the_scratch_the_build_counts_is_what_the_first_call_maps(tmp_path):
+    """The staged kernel's three stages are live together: 0.9 + 1.8 + 1.8 MB, counted from
+    its loop program, and the pages its first call in a fresh process faults in (beside,
+    at most, its output's: what malloc hands the caller may be mapped already)."""
+    func = staged_kernel()
+    scratch = scratch_bytes(func.body, threads=2)
+    assert scratch == 5 * ROWS * COLS * 4
+    target = host_target()
+    obj = emit_object(build_module([func], target), target)
+    (first, *_) = page_faults([link_shared([obj], tmp_path / "staged.so")])
+    pages = scratch // 4096
+    assert pages <= first <= pages + OUTPUT_PAGES + 64, (first, pages)
+
+
+def _block(name: str, floats: int, scope: str = "workspace") -> Allocate:
+    buffer = Buffer(name, (floats,), "float32", scope)
+    return Allocate(buffer, Store(buffer, (Const(0, INDEX),), Const(0.0, "float32")))
+
+
+def test_scratch_adds_nested_blocks_takes_the_larger_of_siblings_and_one_per_thread():
+    small, large = _block("small", 100), _block("large", 300)
+    nested = Allocate(Buffer("outer", (50,), "float32", "workspace"), large)
+    assert scratch_bytes(Block((small, large)), threads=2) == 1200
+    assert scratch_bytes(nested, threads=2) == 1400
+    assert scratch_bytes(IfThenElse(Var("c", INDEX) < 1, small, nested), threads=2) == 1400
+    assert scratch_bytes(_block("stack", 1000, "local"), threads=2) == 0
+
+    def loop(kind, extent):
+        return For(Var("i", INDEX), extent, small, kind)
+
+    assert scratch_bytes(loop(ForKind.SERIAL, 8), threads=2) == 400
+    assert scratch_bytes(loop(ForKind.PARALLEL, 8), threads=2) == 800  # one block a thread
+    assert scratch_bytes(loop(ForKind.PARALLEL, 8), threads=16) == 3200  # one an iteration
+
+
+def winograd_conv_model():
+    """A 64-channel 3x3 conv at 56x56 (Winograd by default: transformed tiles and products
+    in blocks of the kernel's own) followed by a Relu."""
+    weights = np.random.default_rng(0).standard_normal((64, 64, 3, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    return make_model(
+        nodes, [("x", FLOAT, [1, 64, 56, 56])], [("y", FLOAT, [1, 64, 56, 56])], {"w": weights}
+    )
+
+
+def test_the_manifest_and_kiln_compile_report_the_largest_kernel_scratch(tmp_path, capsys):
+    model = winograd_conv_model()
+    path = tmp_path / "conv.onnx"
+    path.write_bytes(model.SerializeToString())
+    target = host_target()
+    kernels = build_kernels(optimize(import_model(str(path))), target)
+    largest = max(kernels, key=lambda k: scratch_bytes(k.func.body, target.cores))
+    expected = scratch_bytes(largest.func.body, target.cores)
+    assert expected > 0
+    memory = compiler_core.compile(str(path)).manifest["memory"]
+    assert memory["kernel_scratch_bytes"] == expected
+    assert memory["kernel_scratch_kernel"] == largest.name
+    assert cli.main(["compile", str(path), "-o", str(tmp_path / "conv.kiln")]) == 0
+    said = capsys.readouterr().out
+    assert f"kernel scratch: up to {expected} bytes in one call ({largest.name})" in said
+
+
+def test_a_model_whose_kernels_take_no_blocks_reports_none(tmp_path, capsys):
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    model = make_model(nodes, [("x", FLOAT, [4, 1024])], [("y", FLOAT, [4, 1024])])
+    path = tmp_path / "relu.onnx"
+    path.write_bytes(model.SerializeToString())
+    memory = compiler_core.compile(str(path)).manifest["memory"]
+    assert memory["kernel_scratch_bytes"] == 0 and "kernel_scratch_kernel" not in memory
+    assert cli.main(["compile", str(path), "-o", str(tmp_path / "relu.kiln")]) == 0
+    assert "kernel scratch" not in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 // their share of the model's time, download, and the form that deploys it.
 
 import { api } from "./api.js";
-import { badge, clear, facts, h, link, ms, num, shape, table, when } from "./dom.js";
+import { badge, bytes, clear, facts, h, link, ms, num, shape, table, when } from "./dom.js";
 import { problemBox } from "./problem.js";
 
 export async function artifactPage(main, [digest], { signal }) {
@@ -85,6 +85,7 @@ export async function artifactPage(main, [digest], { signal }) {
             kernels.tuning_seconds === null ? "not tuned" : `${num(kernels.tuning_seconds, 1)} s`,
           ],
           ["Measured latency", ms(kernels.latency_ms)],
+          ["Memory", h("span", { id: "artifact-memory" }, memoryText(kernels))],
           ["Built", when(manifest.created)],
         ]),
       ),
@@ -230,4 +231,14 @@ function deployForm(digest, manifest) {
     form,
     message,
   );
+}
+
+// The run's planned workspace, and what one kernel takes beside it in a call (a Winograd
+// conv's transformed tiles, a GEMM's packed panels).
+function memoryText(kernels) {
+  if (kernels.workspace_bytes === null) return "—";
+  const scratch = kernels.kernel_scratch_bytes
+    ? ` + up to ${bytes(kernels.kernel_scratch_bytes)} kernel scratch in a call`
+    : "";
+  return `${bytes(kernels.workspace_bytes)} workspace${scratch}`;
 }
