@@ -29,7 +29,9 @@ from compiler_core.kernels.schedules import (
     packed_row_tile,
 )
 from compiler_core.kernels.strassen import (
+    LEVELS,
     STRASSEN,
+    STRASSEN2,
     STRASSEN_PACKED,
     combined_weights,
     gemm_algorithms,
@@ -729,7 +731,7 @@ def _matmul(ctx: KernelContext, node: Node):
     algorithms = _gemm_algorithms(ctx, node.inputs[1], rows_shape, a_type.shape[-1], not a_vector)
     a_row_bytes = 0 if a_vector else a_type.shape[-1] * np.dtype(a_type.dtype).itemsize
     chosen = _gemm_algorithm(ctx, node, algorithms, rows_shape, a_row_bytes)
-    if chosen in (STRASSEN, STRASSEN_PACKED):
+    if chosen in LEVELS:
         lead = a_type.shape[:-1]
 
         def a_at(i, k):  # row i of the GEMM
@@ -937,10 +939,10 @@ def _note_algorithms(ctx: KernelContext, product: Tensor, algorithms: tuple[str,
 def _strassen(
     ctx, node, a_at, transpose, scale: float, bias_at, algorithms, algorithm: str = STRASSEN
 ) -> list[Tensor]:
-    """A GEMM by constant weights (input 1) as one level of Strassen's algorithm: the sums of
-    A's blocks (in row-tile panels for STRASSEN_PACKED), the seven products by the build-time
-    sums of B's blocks as one batched GEMM (the group's anchor), and the output blocks' sums
-    of products."""
+    """A GEMM by constant weights (input 1) as one or two levels of Strassen's algorithm
+    (`LEVELS[algorithm]`): the sums of A's blocks (in row-tile panels for STRASSEN_PACKED), the
+    7 or 49 products by the build-time sums of B's blocks as one batched GEMM (the group's
+    anchor), and the output blocks' sums of products."""
     out = ctx.type(node.outputs[0])
     matrix = ctx.constant(node.inputs[1])
     matrix = matrix.T if transpose else matrix
@@ -948,28 +950,29 @@ def _strassen(
         matrix = matrix * np.asarray(scale, matrix.dtype)
     depth, columns = matrix.shape
     rows, dtype = math.prod(out.shape[:-1]), out.dtype
-    combined = combined_weights(matrix)  # [7, K/2, N/2]
-    half_rows, half_depth, half_columns = rows // 2, depth // 2, columns // 2
-    label = f"strassen{{}}{'t' if transpose else ''}"
+    levels = LEVELS[algorithm]
+    combined = combined_weights(matrix, levels)  # [7^levels, K/s, N/s], s = 2^levels
+    block_rows, block_depth, block_columns = (n >> levels for n in (rows, depth, columns))
+    label = f"{STRASSEN if levels == 1 else STRASSEN2}{{}}{'t' if transpose else ''}"
     packed, width = packed_panels(ctx, node.inputs[1], label, combined)
-    real = (len(combined), half_rows, half_columns)
-    kk = reduce_axis(half_depth, "rk")
+    real = (len(combined), block_rows, block_columns)
+    kk = reduce_axis(block_depth, "rk")
     if algorithm == STRASSEN_PACKED:
-        mr = packed_row_tile(half_rows, ctx.target, _panel_vectors(width, ctx))
-        sums = packed_input_sums(ctx, node, a_at, rows, depth, mr, dtype)
-        shape = _tiled_shape(ctx, (len(combined), sums.shape[1] * mr, half_columns), width)
+        mr = packed_row_tile(block_rows, ctx.target, _panel_vectors(width, ctx))
+        sums = packed_input_sums(ctx, node, a_at, rows, depth, mr, dtype, levels)
+        shape = _tiled_shape(ctx, (len(combined), sums.shape[1] * mr, block_columns), width)
 
         def a_read(p, i):
             return _panel_row(sums, (p,), i, kk, mr)
 
         row_bytes = 0
     else:
-        sums, mr = input_sums(ctx, node, a_at, rows, depth, dtype), 0
-        row_bytes = half_depth * np.dtype(dtype).itemsize
+        sums, mr = input_sums(ctx, node, a_at, rows, depth, dtype, levels), 0
+        row_bytes = block_depth * np.dtype(dtype).itemsize
         shape = _tiled_shape(ctx, real, width, row_bytes)
 
         def a_read(p, i):
-            return sums[(p, padded_row(i, half_rows, shape[-2]), kk)]
+            return sums[(p, padded_row(i, block_rows, shape[-2]), kk)]
 
     def body(p, i, j):
         return reduce_sum(a_read(p, i) * _panel_read(packed, width, kk, j, (p,)), kk)
@@ -981,7 +984,7 @@ def _strassen(
     ctx.note(product.name, **notes, algorithm=algorithm)
     if algorithm == STRASSEN_PACKED:  # its row tile is the panels'
         ctx.note(product.name, packed_rows=True)
-    return [output_sums(ctx, node, product, out.shape, bias_at, dtype)]
+    return [output_sums(ctx, node, product, out.shape, bias_at, dtype, levels)]
 
 
 def _gemm_bias(ctx: KernelContext, node: Node, beta: float):
@@ -1006,7 +1009,7 @@ def _gemm(ctx: KernelContext, node: Node):
     algorithms = _gemm_algorithms(ctx, b_value, out.shape, depth, not trans_a)
     a_row_bytes = 0 if trans_a else depth * np.dtype(ctx.type(a_value).dtype).itemsize
     chosen = _gemm_algorithm(ctx, node, algorithms, out.shape, a_row_bytes)
-    if chosen in (STRASSEN, STRASSEN_PACKED):
+    if chosen in LEVELS:
         bias_at = _gemm_bias(ctx, node, beta) if has_c else None
 
         def a_at(i, k):

@@ -1,4 +1,4 @@
-"""One level of Strassen's algorithm for a GEMM by constant weights.
+"""One or two levels of Strassen's algorithm for a GEMM by constant weights.
 
 C = A B with A, B and C split in 2 x 2 blocks takes seven block products instead of eight
 (Strassen, "Gaussian elimination is not optimal", 1969):
@@ -21,8 +21,16 @@ set); STRASSEN_PACKED writes the sums in the packed-A GEMM's row-tile panels ins
 products take 6-row tiles. On Zen 3 the tuner took it for GEMM 2048^3: 102.9 ms in the model
 against 118.5 for Strassen's plain sums and 139.4 for the packed-A GEMM.
 
+Two levels (STRASSEN2) split each block again: 49 products of a sixteenth of the GEMM, 49/64
+of its multiply-adds, from sums of one to four of A's 16 blocks, each output block a sum of 4 to
+16 products (`strassen_tables`: the one-level tables' Kronecker squares). The products are
+small GEMMs at the FMA peak as long as their rows fill register tiles (16 rows or more); the
+sums of B take 49/16 of B's bytes. On Zen 4 the tuner took it for GEMM 2048^3 (64.5 ms in the
+model against 69.1 for one level); at 1024^3 and for the MLP's two layers at batch 64 one level
+stayed ahead in the model (the output pass reads 144 product blocks, not 12).
+
 Block indices, row-major: 0 = (top, left), 1 = (top, right), 2 = (bottom, left), 3 = (bottom,
-right).
+right); with two levels, the 4 x 4 grid's blocks row-major.
 """
 
 from __future__ import annotations
@@ -41,6 +49,12 @@ STRASSEN = "strassen"
 # Strassen's products reading the sums of A's blocks as the packed-A GEMM reads A: laid out in
 # row-tile panels by the pass that makes them (`packed_input_sums`).
 STRASSEN_PACKED = "strassen_packed_a"
+# Two levels: each block split again, 49 products of a sixteenth of the GEMM each, 49/64 of
+# its multiply-adds (`strassen_tables`).
+STRASSEN2 = "strassen2"
+# Each algorithm's levels. Two levels over packed sums ran GEMM 1024^3 at 17.7 ms on Zen 4
+# at its default knobs, against 9.2 over plain sums: not offered.
+LEVELS = {STRASSEN: 1, STRASSEN_PACKED: 1, STRASSEN2: 2}
 PRODUCTS = 7
 
 # Strassen's seven products, a row each: the blocks of A (alpha) and of B (beta) it
@@ -83,91 +97,136 @@ STRASSEN_MIN_DEPTH = 512
 
 
 def gemm_algorithms(rows: int, depth: int, columns: int, lanes: int) -> tuple[str, ...]:
-    """The algorithms of a GEMM by constant weights: "direct", and "strassen" where the GEMM
-    is large enough to gain from it and its rows, depth and columns halve (the columns into
-    whole panels of two vectors, so that no product pads its columns)."""
-    halves = rows % 2 == 0 and depth % 2 == 0 and columns % 2 == 0
-    halves = halves and (columns // 2) % (2 * lanes) == 0
+    """The algorithms of a GEMM by constant weights: "direct", "strassen" where the GEMM is
+    large enough to gain from it and its rows, depth and columns halve (the columns into
+    whole panels of two vectors, so that no product pads its columns), and "strassen2" where
+    they quarter so, into blocks of 16 rows or more."""
     large = rows * depth * columns >= STRASSEN_MIN_MACS and min(rows, columns) >= 16
-    large = large and depth >= STRASSEN_MIN_DEPTH
-    return ("direct", STRASSEN) if halves and large else ("direct",)
+    if not (large and depth >= STRASSEN_MIN_DEPTH):
+        return ("direct",)
+    algorithms = ("direct",)
+    for algorithm, side, least_rows in ((STRASSEN, 2, 8), (STRASSEN2, 4, 16)):
+        whole = rows % side == 0 and depth % side == 0 and columns % side == 0
+        if whole and (columns // side) % (2 * lanes) == 0 and rows // side >= least_rows:
+            algorithms += (algorithm,)
+    return algorithms
 
 
-def combined_weights(b: np.ndarray) -> np.ndarray:
-    """[K, N] weights -> [7, K/2, N/2]: each product's sum of B's blocks."""
+def strassen_tables(levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(alpha, beta, gamma) of `levels` levels, each [7^levels products, 4^levels blocks]: a
+    block of the 2^levels x 2^levels grid (row-major) splits again at each level, so the
+    tables are Kronecker powers of ALPHA, BETA and GAMMA, whose column (a_1, ..., a_L) (one
+    block of 2 x 2 a level, the outer level first) is the grid's block at row sum(a_l // 2
+    2^(L-l)) and column sum(a_l % 2 2^(L-l))."""
+    tables = [np.asarray(t, np.int64) for t in (ALPHA, BETA, GAMMA)]
+    powers = tables
+    for _ in range(levels - 1):
+        powers = [np.kron(power, table) for power, table in zip(powers, tables, strict=True)]
+    side = 1 << levels
+    grid = np.zeros(4**levels, np.int64)
+    for index in range(4**levels):
+        row = column = 0
+        for level in range(levels):
+            block = (index >> (2 * (levels - 1 - level))) & 3
+            row, column = 2 * row + block // 2, 2 * column + block % 2
+        grid[index] = row * side + column
+    ordered = []
+    for power in powers:
+        table = np.zeros_like(power)
+        table[:, grid] = power
+        ordered.append(table)
+    return ordered[0], ordered[1], ordered[2]
+
+
+def combined_weights(b: np.ndarray, levels: int = 1) -> np.ndarray:
+    """[K, N] weights -> [7^levels, K/s, N/s] (s = 2^levels): each product's sum of B's
+    blocks, in float64, rounded once."""
     k, n = b.shape
-    blocks = b.astype(np.float64).reshape(2, k // 2, 2, n // 2).transpose(0, 2, 1, 3)
-    blocks = blocks.reshape(4, k // 2, n // 2)
-    combined = np.einsum("pb,bkn->pkn", np.asarray(BETA, np.float64), blocks)
-    return combined.astype(b.dtype)
+    side = 1 << levels
+    blocks = b.astype(np.float64).reshape(side, k // side, side, n // side).transpose(0, 2, 1, 3)
+    blocks = blocks.reshape(side * side, k // side, n // side)
+    beta = strassen_tables(levels)[1].astype(np.float64)
+    return np.einsum("pb,bkn->pkn", beta, blocks).astype(b.dtype)
 
 
-def input_sums(ctx: KernelContext, node, a_at, rows: int, depth: int, dtype: str) -> Tensor:
-    """[7, rows/2, depth/2]: each product's sum of A's blocks; `a_at(i, k)` reads A. Its own
-    stage (read by every column tile of the products), scheduled by `strassen_input_schedule`
-    with the product loop unrolled, so each copy is its own one- or two-term sum."""
-    half_rows, half_depth = rows // 2, depth // 2
+def input_sums(
+    ctx: KernelContext, node, a_at, rows: int, depth: int, dtype: str, levels: int = 1
+) -> Tensor:
+    """[7^levels, rows/s, depth/s] (s = 2^levels): each product's sum of A's blocks; `a_at(i,
+    k)` reads A. Its own stage (read by every column tile of the products), scheduled by
+    `strassen_input_schedule` with the product loop unrolled, so each copy is its own sum of
+    one to four blocks."""
+    side = 1 << levels
+    block_rows, block_depth = rows // side, depth // side
 
     def body(p, i, k):
-        return _block_sums(a_at, p, i, k, half_rows, half_depth, dtype)
+        return _block_sums(a_at, p, i, k, block_rows, block_depth, dtype, levels)
 
-    sums = compute((PRODUCTS, half_rows, half_depth), body, ctx.stage_name(node, "strsa"), dtype)
+    shape = (PRODUCTS**levels, block_rows, block_depth)
+    sums = compute(shape, body, ctx.stage_name(node, "strsa"), dtype)
     ctx.note(sums.name, materialize=True, strassen_input=True)
     return sums
 
 
 def packed_input_sums(
-    ctx: KernelContext, node, a_at, rows: int, depth: int, mr: int, dtype: str
+    ctx: KernelContext, node, a_at, rows: int, depth: int, mr: int, dtype: str, levels: int = 1
 ) -> Tensor:
-    """[7, tiles, depth/2, mr]: `input_sums` laid out as the packed-A GEMM's row-tile panels
-    (a reduction step's mr values of a tile side by side), so that each product's register
-    tile reads one stream, not mr rows a row's stride apart (which share an L1 set when the
-    stride is a multiple of 4 KB, and cap the direct tile's rows). The pass that makes the
-    sums writes them packed at no extra cost. Rows past the real ones repeat the last; their
-    products are cropped. Scheduled by `strassen_packed_input_schedule`."""
-    half_rows, half_depth = rows // 2, depth // 2
-    tiles = -(-half_rows // mr)
+    """[7^levels, tiles, depth/s, mr]: `input_sums` laid out as the packed-A GEMM's row-tile
+    panels (a reduction step's mr values of a tile side by side), so that each product's
+    register tile reads one stream, not mr rows a row's stride apart (which share an L1 set
+    when the stride is a multiple of 4 KB, and cap the direct tile's rows). The pass that
+    makes the sums writes them packed at no extra cost. Rows past the real ones repeat the
+    last; their products are cropped. Scheduled by `strassen_packed_input_schedule`."""
+    side = 1 << levels
+    block_rows, block_depth = rows // side, depth // side
+    tiles = -(-block_rows // mr)
 
     def body(p, t, k, r):
-        i = padded_row(t * Const(mr, INDEX) + r, half_rows, tiles * mr)
-        return _block_sums(a_at, p, i, k, half_rows, half_depth, dtype)
+        i = padded_row(t * Const(mr, INDEX) + r, block_rows, tiles * mr)
+        return _block_sums(a_at, p, i, k, block_rows, block_depth, dtype, levels)
 
-    shape = (PRODUCTS, tiles, half_depth, mr)
+    shape = (PRODUCTS**levels, tiles, block_depth, mr)
     sums = compute(shape, body, ctx.stage_name(node, "strsa"), dtype)
     ctx.note(sums.name, materialize=True, strassen_packed_input=True)
     return sums
 
 
-def _block_sums(a_at, p, i, k, half_rows: int, half_depth: int, dtype: str):
+def _block_sums(a_at, p, i, k, block_rows: int, block_depth: int, dtype: str, levels: int):
     """Product p's sum of A's blocks at (i, k) of a block (a select over p: constant once the
     product loop unrolls)."""
+    side = 1 << levels
     blocks = [
-        a_at(i + Const(r * half_rows, INDEX), k + Const(c * half_depth, INDEX))
-        for r in (0, 1)
-        for c in (0, 1)
+        a_at(i + Const(r * block_rows, INDEX), k + Const(c * block_depth, INDEX))
+        for r in range(side)
+        for c in range(side)
     ]
-    return select_case(p, [sparse_sum(ALPHA[q], blocks, dtype) for q in range(PRODUCTS)])
+    alpha = strassen_tables(levels)[0]
+    return select_case(p, [sparse_sum(row, blocks, dtype) for row in alpha])
 
 
-def output_sums(ctx: KernelContext, node, product: Tensor, out_shape, bias_at, dtype) -> Tensor:
+def output_sums(
+    ctx: KernelContext, node, product: Tensor, out_shape, bias_at, dtype, levels: int = 1
+) -> Tensor:
     """C at the output's shape ([..., columns]: the GEMM's rows are its leading axes, flat)
-    from the seven products ([7, >= rows/2, columns/2]), plus `bias_at(i, j)` when given.
+    from the products ([7^levels, >= rows/s, columns/s]), plus `bias_at(i, j)` when given.
     Scheduled by `strassen_output_schedule`: the block loops unrolled, so each copy reads
-    its own two to four products."""
+    its own two to four products (4 to 16 with two levels)."""
     rows, columns = math.prod(out_shape[:-1]), out_shape[-1]
-    half_rows, half_columns = rows // 2, columns // 2
+    side = 1 << levels
+    block_rows, block_columns = rows // side, columns // side
+    gamma = strassen_tables(levels)[2]
 
     def body(*index):
         i, j = flatten(index[:-1], out_shape[:-1]), index[-1]
-        block_row = Binary("floordiv", i, Const(half_rows, INDEX))
-        block_column = Binary("floordiv", j, Const(half_columns, INDEX))
-        row = Binary("mod", i, Const(half_rows, INDEX))
-        column = Binary("mod", j, Const(half_columns, INDEX))
-        products = [product[(Const(p, INDEX), row, column)] for p in range(PRODUCTS)]
-        cases = [sparse_sum([g[c] for g in GAMMA], products, dtype) for c in range(4)]
-        value = select_case(block_row * Const(2, INDEX) + block_column, cases)
+        block_row = Binary("floordiv", i, Const(block_rows, INDEX))
+        block_column = Binary("floordiv", j, Const(block_columns, INDEX))
+        row = Binary("mod", i, Const(block_rows, INDEX))
+        column = Binary("mod", j, Const(block_columns, INDEX))
+        products = [product[(Const(p, INDEX), row, column)] for p in range(len(gamma))]
+        cases = [sparse_sum(gamma[:, c], products, dtype) for c in range(side * side)]
+        value = select_case(block_row * Const(side, INDEX) + block_column, cases)
         return value + bias_at(i, j) if bias_at is not None else value
 
     out = compute(tuple(out_shape), body, ctx.stage_name(node, "strout"), dtype)
-    ctx.note(out.name, materialize=True, strassen_output=(half_rows, half_columns))
+    ctx.note(out.name, materialize=True, strassen_output=(block_rows, block_columns))
     return out

@@ -1,5 +1,6 @@
-"""One level of Strassen's algorithm for GEMMs by constant weights (kernels/strassen.py): the
-block identities against numpy in float64, the rule that offers the algorithm, whole Gemm and
+"""One and two levels of Strassen's algorithm for GEMMs by constant weights
+(kernels/strassen.py): the block identities against numpy in float64, the rule that offers
+the algorithm, whole Gemm and
 MatMul kernels built with it (through a tuning record, as the tuner's choice reaches a build)
 against ONNX Runtime, the tuner measuring it as a knob, and a choice a GEMM cannot take."""
 
@@ -26,9 +27,11 @@ from compiler_core.kernels.strassen import (
     BETA,
     GAMMA,
     STRASSEN,
+    STRASSEN2,
     STRASSEN_PACKED,
     combined_weights,
     gemm_algorithms,
+    strassen_tables,
 )
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
@@ -69,10 +72,44 @@ def test_seven_products_make_the_block_product():
         np.testing.assert_allclose(factor, expected, rtol=1e-6, atol=1e-6)
 
 
+def grid_blocks(x, side):
+    """[side r, side c] -> its side x side blocks of [r, c], row-major."""
+    r, c = x.shape[0] // side, x.shape[1] // side
+    return [x[i * r : (i + 1) * r, j * c : (j + 1) * c] for i in range(side) for j in range(side)]
+
+
+def test_two_levels_make_the_block_product_from_49_products():
+    """The Kronecker squares of the one-level tables over a 4 x 4 grid of blocks: 49 products
+    of sums of one to four blocks of A and of B, each output block a sum of 4 to 16 of them."""
+    alpha, beta, gamma = strassen_tables(2)
+    assert alpha.shape == beta.shape == gamma.shape == (49, 16)
+    a, b = RNG.standard_normal((8, 12)), RNG.standard_normal((12, 16))
+    a_blocks, b_blocks = grid_blocks(a, 4), grid_blocks(b, 4)
+    products = [
+        sum(x * m for x, m in zip(al, a_blocks, strict=True))
+        @ sum(y * m for y, m in zip(be, b_blocks, strict=True))
+        for al, be in zip(alpha, beta, strict=True)
+    ]
+    c_blocks = [sum(g * m for g, m in zip(gamma[:, c], products, strict=True)) for c in range(16)]
+    c = np.block([c_blocks[4 * i : 4 * i + 4] for i in range(4)])
+    np.testing.assert_allclose(c, a @ b, rtol=1e-12, atol=1e-12)
+    assert sorted({int(n) for n in np.count_nonzero(gamma, axis=0)}) == [4, 8, 16]
+    combined = combined_weights(b.astype(np.float32), levels=2)
+    for be, factor in zip(beta, combined, strict=True):
+        expected = sum(y * m for y, m in zip(be, b_blocks, strict=True))
+        np.testing.assert_allclose(factor, expected, rtol=1e-6, atol=1e-6)
+    one = strassen_tables(1)
+    assert all(np.array_equal(t, u) for t, u in zip(one, (ALPHA, BETA, GAMMA), strict=True))
+
+
 def test_the_rule_offers_strassen_to_large_gemms_that_halve():
     both = ("direct", STRASSEN)
-    assert gemm_algorithms(64, 784, 1024, 16) == both  # MLP at batch 64
-    assert gemm_algorithms(128, 1024, 256, 16) == both  # a transformer's second FFN GEMM
+    levels = ("direct", STRASSEN, STRASSEN2)
+    assert gemm_algorithms(64, 784, 1024, 16) == levels  # MLP at batch 64: 16-row quarters
+    assert gemm_algorithms(32, 784, 1024, 16) == both  # ... at 32: 8-row quarters, too few
+    assert gemm_algorithms(64, 784, 1056, 8) == both  # quarters not whole 16-column panels
+    assert gemm_algorithms(2048, 2048, 2048, 16) == levels
+    assert gemm_algorithms(128, 1024, 256, 16) == levels  # a transformer's second FFN GEMM
     assert gemm_algorithms(1024, 256, 1024, 16) == ("direct",)  # ... its first: too shallow
     assert gemm_algorithms(63, 784, 1024, 16) == ("direct",)  # odd rows
     assert gemm_algorithms(64, 785, 1024, 16) == ("direct",)  # odd depth
@@ -80,7 +117,7 @@ def test_the_rule_offers_strassen_to_large_gemms_that_halve():
     assert gemm_algorithms(64, 784, 1056, 8) == both  # ... of 16 columns, they are
     assert gemm_algorithms(1, 784, 1024, 16) == ("direct",)  # one row
     assert gemm_algorithms(128, 256, 256, 16) == ("direct",)  # too little work to gain
-    assert gemm_algorithms(64, 512, 512, 16) == both  # the least work that gains: 2^24 MACs
+    assert gemm_algorithms(64, 512, 512, 16) == levels  # the least work that gains: 2^24 MACs
     assert gemm_algorithms(64, 512, 510, 16) == ("direct",)
 
 
@@ -127,6 +164,8 @@ CASES = {
     "batched_matmul_add": lambda: matmul_model(64, 512, 512, batch=(2,)),
     "batched_rows_split_a_batch": lambda: matmul_model(10, 1024, 1024, batch=(2, 2)),
 }
+# The cases two levels apply to (rows, depth and columns in quarters of whole panels).
+TWO_LEVEL_CASES = ("gemm_bias_relu", "matmul_add", "batched_matmul_add")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +199,9 @@ PACKED_CASES = (
 
 @pytest.mark.parametrize(
     "name, algorithm",
-    [(name, STRASSEN) for name in CASES] + [(name, STRASSEN_PACKED) for name in PACKED_CASES],
+    [(name, STRASSEN) for name in CASES]
+    + [(name, STRASSEN_PACKED) for name in PACKED_CASES]
+    + [(name, STRASSEN2) for name in TWO_LEVEL_CASES],
 )
 def test_strassen_gemms_match_onnxruntime(name, algorithm, tmp_path, measurer):
     model = CASES[name]()
@@ -236,6 +277,16 @@ def test_the_packed_sums_are_row_tile_panels_that_fix_the_products_row_tile(targ
     assert product.shape[:2] == (7, sums.shape[1] * mr)
     knobs = {k.name: k for k in TEMPLATES["dense"].knobs(product, target)}
     assert knobs["mr"].choices == (mr,) and "pack_a_at" not in knobs
+
+
+def test_two_levels_sum_16_blocks_of_a_for_49_products_and_unroll_a_4_by_4_grid():
+    stages = strassen_stages(gemm_model(64, 512, 512), STRASSEN2)
+    (sums,) = [s for s in stages if s.name.startswith("strsa")]
+    (out,) = [s for s in stages if s.name.startswith("strout")]
+    assert sums.shape == (49, 16, 128)
+    assert out.note("strassen_output") == (16, 128)  # the grid's blocks: 16 rows, 128 columns
+    (product,) = [s for s in stages if s.note("algorithm") == STRASSEN2]
+    assert product.shape[0] == 49
 
 
 def test_the_epilogue_runs_in_the_output_sums():
