@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
+from compiler_core.runtime.library import workspace_cached_bytes
+
 # From 0.1 ms: Prometheus' default buckets start at 5 ms, which puts every request of a small
 # model (an MLP runs in ~0.3 ms) in the first bucket and makes its p50/p99 meaningless.
 INFERENCE_BUCKETS = (
@@ -77,6 +79,13 @@ class Metrics:
         )
         # Read at scrape time, so the gauge can never drift from the repository.
         self.loaded_models.set_function(ready_count)
+        self.workspace_cached = Gauge(
+            "kiln_runtime_workspace_cached_bytes",
+            "Kernel scratch blocks the process keeps between runs, beside the models' planned "
+            "workspaces (a manifest's memory.kernel_scratch_bytes is one call's)",
+            registry=self.registry,
+        )
+        self.workspace_cached.set_function(workspace_cached_bytes)
 
     @contextmanager
     def time_inference(self, model: str, version: str) -> Iterator[None]:

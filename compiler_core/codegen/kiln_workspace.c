@@ -124,6 +124,15 @@ void kiln_workspace_free(void *block) {
         release(block);
 }
 
+/* The bytes this library's cache keeps (freed blocks waiting for the next request): what a
+   process holds for kernels' scratch between runs, beside each module's planned workspace. */
+int64_t kiln_workspace_kept_bytes(void) {
+    pthread_mutex_lock(&lock);
+    int64_t bytes = kept_bytes;
+    pthread_mutex_unlock(&lock);
+    return bytes;
+}
+
 /* Serve this library's kernels from another library's cache. */
 void kiln_workspace_share(kiln_alloc_fn alloc, kiln_free_fn release_fn) {
     atomic_store(&shared_free, release_fn);

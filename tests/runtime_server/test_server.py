@@ -377,3 +377,4 @@ def test_metrics_after_requests(http, tiny):
     assert metric(text, "kiln_runtime_requests_total", route=route, outcome="client_error") >= 1
     assert metric(text, "kiln_runtime_inference_seconds_count", model="tiny", version="1") >= 3
     assert metric(text, "kiln_runtime_loaded_models") >= 1
+    assert metric(text, "kiln_runtime_workspace_cached_bytes") >= 0  # tests/runtime: its value
