@@ -229,6 +229,8 @@ def cmd_run(args) -> int:
             f"latency over {len(ms)} runs: median {np.median(ms):.3f} ms, "
             f"p90 {np.percentile(ms, 90):.3f} ms"
         )
+    if isinstance(module, Module):
+        _print_memory(module.manifest.get("memory") or {})
     if args.profile:
         repeats = max(args.repeat, 1)
         in_model = module.profile(inputs, repeats)
@@ -236,6 +238,18 @@ def cmd_run(args) -> int:
         alone = module.profile(inputs, repeats, alone=True) if isinstance(module, Module) else None
         _print_profile(in_model, alone, args.profile)
     return 0
+
+
+def _print_memory(memory: dict) -> None:
+    """A CPU module's memory beside its weights: the planned workspace, the most one kernel
+    call takes beside it, and what the process's block cache keeps after the runs."""
+    from compiler_core.runtime.library import workspace_cached_bytes
+
+    scratch, kept = memory.get("kernel_scratch_bytes"), workspace_cached_bytes()
+    call = f", kernel scratch up to {scratch} bytes a call" if scratch else ""
+    print(f"memory: workspace {memory.get('workspace_bytes', 0)} bytes{call}")
+    if kept is not None:  # None: an archive built before the cache counted its blocks
+        print(f"  kept by the process's block cache after the runs: {kept} bytes")
 
 
 def _print_profile(

@@ -85,7 +85,7 @@ class Metrics:
             "workspaces (a manifest's memory.kernel_scratch_bytes is one call's)",
             registry=self.registry,
         )
-        self.workspace_cached.set_function(workspace_cached_bytes)
+        self.workspace_cached.set_function(lambda: workspace_cached_bytes() or 0)
 
     @contextmanager
     def time_inference(self, model: str, version: str) -> Iterator[None]:

@@ -89,6 +89,10 @@ def test_compile_then_run(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "probs: float32[1, 10]" in result.stdout
     assert "latency over 3 runs" in result.stdout
+    assert (
+        "memory: workspace " in result.stdout
+        and "kept by the process's block cache" in result.stdout
+    )
     result = kiln("run", str(archive), "--repeat", "2", "--profile", "3")
     assert result.returncode == 0, result.stderr
     assert "per-kernel medians" in result.stdout and "the 3 slowest" in result.stdout

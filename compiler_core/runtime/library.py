@@ -61,13 +61,13 @@ def set_num_threads(count: int) -> None:
         gomp.omp_set_num_threads(_THREADS)
 
 
-def workspace_cached_bytes() -> int:
+def workspace_cached_bytes() -> int | None:
     """The bytes the process's cache of kernel workspace blocks keeps between calls
-    (kiln_workspace.c; every library loaded after the first uses the first one's cache): 0
-    before any library is loaded, or where the first was built before the count."""
+    (kiln_workspace.c; every library loaded after the first uses the first one's cache);
+    None before any library is loaded, or where the first was built before the count."""
     kept = getattr(_POOL_HOST, "kiln_workspace_kept_bytes", None) if _POOL_HOST else None
     if kept is None:
-        return 0
+        return None
     kept.restype = ctypes.c_int64
     return int(kept())
 

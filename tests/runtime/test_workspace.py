@@ -134,17 +134,19 @@ CACHED_SCRIPT = """
 import sys
 import numpy as np
 from compiler_core.runtime.library import KernelLibrary, workspace_cached_bytes
-before = workspace_cached_bytes()
+unloaded = workspace_cached_bytes()
 library = KernelLibrary(sys.argv[1])
+loaded = workspace_cached_bytes()
 x = np.ones((56, 4096), np.float32)
 library.call("staged", [x, np.zeros_like(x)])
-print(before, workspace_cached_bytes())
+print(unloaded, loaded, workspace_cached_bytes())
 """
 
 
 def test_the_process_reports_the_blocks_its_cache_keeps_after_a_call(tmp_path):
-    """What the runtime server's kiln_runtime_workspace_cached_bytes reads: nothing before a
-    kernel ran, the staged kernel's three blocks (all it took) after its call."""
+    """What the runtime server's kiln_runtime_workspace_cached_bytes reads: no count before
+    a library is loaded, nothing before a kernel ran, the staged kernel's three blocks (all
+    it took) after its call."""
     func = staged_kernel()
     target = host_target()
     obj = emit_object(build_module([func], target), target)
@@ -153,8 +155,9 @@ def test_the_process_reports_the_blocks_its_cache_keeps_after_a_call(tmp_path):
         [sys.executable, "-c", CACHED_SCRIPT, str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    before, after = map(int, result.stdout.split())
-    assert (before, after) == (0, scratch_bytes(func.body, threads=2))
+    unloaded, loaded, after = result.stdout.split()
+    assert (unloaded, loaded) == ("None", "0")
+    assert int(after) == scratch_bytes(func.body, threads=2)
 
 
 def _block(name: str, floats: int, scope: str = "workspace") -> Allocate:
