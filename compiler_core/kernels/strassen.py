@@ -35,6 +35,7 @@ right); with two levels, the 4 x 4 grid's blocks row-major.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -112,30 +113,29 @@ def gemm_algorithms(rows: int, depth: int, columns: int, lanes: int) -> tuple[st
     return algorithms
 
 
+@functools.cache
 def strassen_tables(levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(alpha, beta, gamma) of `levels` levels, each [7^levels products, 4^levels blocks]: a
     block of the 2^levels x 2^levels grid (row-major) splits again at each level, so the
-    tables are Kronecker powers of ALPHA, BETA and GAMMA, whose column (a_1, ..., a_L) (one
-    block of 2 x 2 a level, the outer level first) is the grid's block at row sum(a_l // 2
-    2^(L-l)) and column sum(a_l % 2 2^(L-l))."""
+    tables are Kronecker powers of ALPHA, BETA and GAMMA, whose columns run over the blocks
+    outer level first; each column is moved to its block's place in the grid. Computed once
+    per level count (read-only: every build of a Strassen GEMM reads them)."""
     tables = [np.asarray(t, np.int64) for t in (ALPHA, BETA, GAMMA)]
     powers = tables
+    block_row, block_column = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
+    rows, columns = block_row, block_column
     for _ in range(levels - 1):
         powers = [np.kron(power, table) for power, table in zip(powers, tables, strict=True)]
-    side = 1 << levels
-    grid = np.zeros(4**levels, np.int64)
-    for index in range(4**levels):
-        row = column = 0
-        for level in range(levels):
-            block = (index >> (2 * (levels - 1 - level))) & 3
-            row, column = 2 * row + block // 2, 2 * column + block % 2
-        grid[index] = row * side + column
+        rows = np.add.outer(2 * rows, block_row).ravel()
+        columns = np.add.outer(2 * columns, block_column).ravel()
+    grid = rows * (1 << levels) + columns  # the grid's block of each Kronecker column
     ordered = []
     for power in powers:
         table = np.zeros_like(power)
         table[:, grid] = power
+        table.setflags(write=False)
         ordered.append(table)
-    return ordered[0], ordered[1], ordered[2]
+    return tuple(ordered)
 
 
 def combined_weights(b: np.ndarray, levels: int = 1) -> np.ndarray:
