@@ -204,6 +204,8 @@ def test_plain_pooling(op, shape, attrs):
 
 
 SCHEDULED = {
+    "softmax_10": lambda: one_node("Softmax", [64, 10], [64, 10], axis=-1, opset=13),
+    "logsoftmax_12x8": lambda: one_node("LogSoftmax", [12, 5, 8], [12, 5, 8], axis=-1, opset=13),
     "softmax_197": lambda: one_node("Softmax", [2, 3, 197], [2, 3, 197], axis=-1, opset=13),
     "layer_norm_two_axes": lambda: one_node(
         "LayerNormalization",
@@ -259,7 +261,11 @@ def random_args(func):
 @pytest.mark.parametrize(
     ("name", "config"),
     [(name, None) for name in SCHEDULED]
-    + [("softmax_197", {"per_row": 0}), ("group_norm", {"per_row": 0})],
+    + [
+        ("softmax_197", {"per_row": 0}),
+        ("softmax_10", {"per_row": 0}),
+        ("group_norm", {"per_row": 0}),
+    ],
 )
 def test_row_schedules_keep_meaning(name, config, tmp_path):
     """Interpreter before and after the schedule (at its default point, or `config` of the
@@ -300,3 +306,18 @@ def test_row_reduction_has_no_scalar_tail():
     kernel = build_group(graph, graph.groups[0], 0, host_target())
     kinds = [type(r).__name__ for r in kernel.schedule]
     assert {"ComputeAt", "CacheWrite", "SplitOverlap", "Parallel"} <= set(kinds)
+
+
+@pytest.mark.parametrize("length", [4, 10])
+def test_softmax_of_short_rows_is_one_pass_over_rows(length):
+    """Rows shorter than a vector (10 classes, 4 keys): each row's max and sum computed where
+    the row is read, every stage in one parallel loop over the rows (not a parallel loop a
+    stage), a row of 8 or more elements one shorter vector."""
+    shape = [64, length]
+    model = one_node("Softmax", shape, shape, axis=-1, opset=13)
+    graph = optimize(import_model(model))
+    kernel = build_group(graph, graph.groups[0], 0, host_target())
+    kinds = [type(r).__name__ for r in kernel.schedule]
+    assert kinds.count("Parallel") == 1 and kinds.count("ComputeAt") == 3
+    assert ("Vectorize" in kinds) == (length >= 8)
+    check_against_ort(model, shape, scale=4.0)
