@@ -359,3 +359,70 @@ def test_random_attentions_decompose_to_what_the_operator_computes(seed):
     expected, actual = run_graph(before, feeds), run_graph(after, feeds)
     for name, value in expected.items():
         np.testing.assert_allclose(actual[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _score_matmuls(graph):
+    """The key count of each score MatMul (Q K^T: its B operand's last axis)."""
+    return [
+        graph.types[n.inputs[1]].shape[-1]
+        for n in graph.nodes
+        if n.op == "MatMul" and n.name.startswith("Attention_scores")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shapes", "attrs", "keys_read"),
+    [
+        # 256 queries of 256 keys: four blocks of 64, each up to its last query's key
+        (([1, 2, 256, 8], [1, 2, 256, 8], [1, 2, 256, 4]), {}, [64, 128, 192, 256]),
+        # grouped heads, packed 3-D: 130 queries in two blocks (65 rows: a block's rows need
+        # not fill register tiles evenly)
+        (
+            ([1, 130, 32], [1, 130, 16], [1, 130, 16]),
+            {"q_num_heads": 4, "kv_num_heads": 2},
+            [65, 130],
+        ),  # fmt: skip
+        # a window and a soft cap ride along; the window's far keys are still read
+        (
+            ([1, 1, 128, 8], [1, 1, 128, 8], [1, 1, 128, 8]),
+            {"left_window_size": 16, "softcap": 3.0},
+            [64, 128],
+        ),  # fmt: skip
+    ],
+)
+def test_causal_attention_reads_only_the_keys_each_query_block_may_attend(shapes, attrs, keys_read):
+    model = attention_model(*shapes, is_causal=1, **attrs)
+    after, _ = assert_decomposed_same(model)
+    assert _score_matmuls(after) == keys_read
+    assert [n.op for n in after.nodes].count("Softmax") == len(keys_read)
+
+
+def test_causal_blocks_after_a_kv_cache_start_past_the_cached_keys():
+    """192 new queries after 64 cached keys: the first block sees the cache and its own 64."""
+    model = attention_model(
+        [1, 2, 192, 8], [1, 2, 192, 8], [1, 2, 192, 8], past=([1, 2, 64, 8], [1, 2, 64, 8]),
+        outputs=("y", "present_key", "present_value"), is_causal=1,
+    )  # fmt: skip
+    after, _ = assert_decomposed_same(model)
+    assert _score_matmuls(after) == [128, 192, 256]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["boolean mask", "key lengths", "qk output", "few queries", "not causal"],
+)
+def test_attention_stays_whole_where_a_block_would_not_pay_or_needs_every_score(case):
+    shape = [1, 2, 256, 8]
+    extra = {"is_causal": 1}
+    if case == "boolean mask":
+        extra.update(mask=[256, 256], mask_type=BOOL)
+    elif case == "key lengths":
+        extra["lengths"] = True
+    elif case == "qk output":
+        extra.update(outputs=("y", "", "", "qk"), qk_matmul_output_mode=0)
+    elif case == "few queries":  # one block of 64 rows or more only
+        shape = [1, 2, 127, 8]
+    else:
+        extra["is_causal"] = 0
+    after = decompose_attention.run(import_model(attention_model(shape, shape, shape, **extra)))
+    assert _score_matmuls(after) == [shape[2]]
