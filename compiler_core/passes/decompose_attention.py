@@ -25,12 +25,12 @@ causal and window bounds are compared at run time.
 
 A mask shorter than the keys is padded to them (the keys past it disallowed).
 
-A causal Attention of many queries (no run-time mask or key lengths, no qk output) is computed
-in blocks of queries, each block from S = Q K^T to P V over only the keys up to the last one
-its queries may attend, and the blocks' outputs concatenated: the keys a block skips are
-disallowed to all its rows, so it leaves out exactly the zeros they added (in 4 blocks, 256
-queries compute 5/8 of the scores: 12 heads of 64 0.58 -> 0.43 ms, 32 grouped-query heads on
-8 of 128 2.87 -> 1.79 ms, Zen 5, 2 threads).
+A causal or windowed Attention of many queries (no run-time mask or key lengths, no qk output)
+is computed in blocks of queries, each block from S = Q K^T to P V over only the keys its
+queries may attend (from the first any of them may to the last), the blocks' outputs
+concatenated: the keys a block skips are disallowed to all its rows, so it leaves out exactly
+the zeros they added (in 4 blocks, 256 causal queries compute 5/8 of the scores: 12 heads of
+64 0.58 -> 0.43 ms, 32 grouped-query heads on 8 of 128 2.87 -> 1.79 ms, Zen 5, 2 threads).
 """
 
 from __future__ import annotations
@@ -82,12 +82,13 @@ class _Rewriter(Decomposition):
         blocks = _query_blocks(node, allowed)
         if blocks is None:
             y = self.attend(node, q, k, v, allowed)
-        else:  # causal: each block of queries reads only the keys it may attend
+        else:  # causal or windowed: each block of queries reads only the keys it may attend
             parts = []
-            for start, stop, reach in blocks:
+            for start, stop, first, end in blocks:
                 rows = self.sliced(q, start, stop, f"{name}_block")
-                keys, values = (self.sliced(x, 0, reach, f"{name}_reach") for x in (k, v))
-                parts.append(self.attend(node, rows, keys, values, allowed[start:stop, :reach]))
+                keys, values = (self.sliced(x, first, end, f"{name}_reach") for x in (k, v))
+                block = allowed[start:stop, first:end]
+                parts.append(self.attend(node, rows, keys, values, block))
             y = self.emit("Concat", f"{name}_blocks", parts, axis=2)
         if self.types[node.inputs[0]].rank == 3:
             v_size = self.types[y].shape[3]
@@ -364,8 +365,8 @@ def _allowed_positions(node: Node, q_len: int, k_len: int, past: int) -> np.ndar
     return allowed
 
 
-# Causal attention in blocks of queries, each reading only the keys up to the last one a
-# query of the block may attend (`_query_blocks`): at most this many blocks (each block is a
+# Causal and windowed attention in blocks of queries, each reading only the keys its queries
+# may attend (`_query_blocks`): at most this many blocks (each block is a
 # GEMM, softmax and GEMM of its own), of this many rows or more (GEMM rows enough to fill
 # register tiles), where it saves this share of the scores or more. 12 heads of 64, Zen 5,
 # 2 threads (`bench.ab`): 256 queries in 4 blocks of 64 0.74x the whole attention's time, in
@@ -376,10 +377,11 @@ MIN_BLOCK_ROWS = 64
 MIN_SAVING = 0.2
 
 
-def _query_blocks(node: Node, allowed: np.ndarray) -> list[tuple[int, int, int]] | None:
-    """[(first row, end row, keys it reads)] of the query blocks a causal Attention is
-    computed in, or None to compute it whole: where no run-time mask, key lengths or
-    qk_matmul_output needs the whole score matrix, every row attends some key, and the
+def _query_blocks(node: Node, allowed: np.ndarray) -> list[tuple[int, int, int, int]] | None:
+    """[(first row, end row, first key, end key)] of the query blocks a causal or windowed
+    Attention is computed in, each block reading the keys from the first one any of its rows
+    may attend to the last; or None to compute it whole: where no run-time mask, key lengths
+    or qk_matmul_output needs the whole score matrix, every row attends some key, and the
     blocks skip MIN_SAVING of its scores. The keys a block skips are disallowed to all its
     rows: exp(-inf) = 0 is all they added."""
     inputs, outputs = node.inputs, node.outputs
@@ -391,11 +393,14 @@ def _query_blocks(node: Node, allowed: np.ndarray) -> list[tuple[int, int, int]]
     count = min(MAX_QUERY_BLOCKS, q_len // MIN_BLOCK_ROWS)
     if count < 2:
         return None
-    # each row's keys end after its last allowed one
-    reach = k_len - np.argmax(allowed[:, ::-1], axis=1)
+    # each row's keys start at its first allowed one and end after its last
+    first, end = np.argmax(allowed, axis=1), k_len - np.argmax(allowed[:, ::-1], axis=1)
     edges = [q_len * b // count for b in range(count + 1)]
-    blocks = [(a, b, int(reach[a:b].max())) for a, b in zip(edges, edges[1:], strict=False)]
-    read = sum((b - a) * keys for a, b, keys in blocks)
+    blocks = [
+        (a, b, int(first[a:b].min()), int(end[a:b].max()))
+        for a, b in zip(edges, edges[1:], strict=False)
+    ]
+    read = sum((b - a) * (stop - start) for a, b, start, stop in blocks)
     return blocks if read <= (1 - MIN_SAVING) * q_len * k_len else None
 
 

@@ -382,16 +382,24 @@ def _score_matmuls(graph):
             {"q_num_heads": 4, "kv_num_heads": 2},
             [65, 130],
         ),  # fmt: skip
-        # a window and a soft cap ride along; the window's far keys are still read
+        # a window (and a soft cap): the second block starts 16 keys before its first query
         (
             ([1, 1, 128, 8], [1, 1, 128, 8], [1, 1, 128, 8]),
             {"left_window_size": 16, "softcap": 3.0},
-            [64, 128],
+            [64, 80],
+        ),
+        # a window both ways, not causal: each block reads its rows' keys and 24 more around
+        (
+            ([1, 2, 256, 8], [1, 2, 256, 8], [1, 2, 256, 8]),
+            {"is_causal": 0, "left_window_size": 16, "right_window_size": 8},
+            [72, 88, 88, 80],
         ),  # fmt: skip
     ],
 )
-def test_causal_attention_reads_only_the_keys_each_query_block_may_attend(shapes, attrs, keys_read):
-    model = attention_model(*shapes, is_causal=1, **attrs)
+def test_causal_and_windowed_attention_reads_only_the_keys_each_query_block_may_attend(
+    shapes, attrs, keys_read
+):
+    model = attention_model(*shapes, **{"is_causal": 1, **attrs})
     after, _ = assert_decomposed_same(model)
     assert _score_matmuls(after) == keys_read
     assert [n.op for n in after.nodes].count("Softmax") == len(keys_read)
