@@ -79,16 +79,20 @@ class _Rewriter(Decomposition):
         batch, q_heads, q_len, _ = self.types[q].shape
         k_len = self.types[k].shape[2]
         allowed = _allowed_positions(node, q_len, k_len, _past_length(self.types, node))
-        blocks = _query_blocks(node, allowed)
+        mask = node.inputs[3] if len(node.inputs) > 3 else ""
+        constant = self.constant_mask(mask, q_len, k_len) if mask else None
+        if constant is not None:  # a constant causal (or other) pattern: known keys to skip
+            allowed, mask = allowed & constant, ""
+        blocks = _query_blocks(node, allowed, mask)
         if blocks is None:
-            y = self.attend(node, q, k, v, allowed)
+            y = self.attend(node, q, k, v, allowed, mask)
         else:  # causal or windowed: each block of queries reads only the keys it may attend
             parts = []
             for start, stop, first, end in blocks:
                 rows = self.sliced(q, start, stop, f"{name}_block")
                 keys, values = (self.sliced(x, first, end, f"{name}_reach") for x in (k, v))
                 block = allowed[start:stop, first:end]
-                parts.append(self.attend(node, rows, keys, values, block))
+                parts.append(self.attend(node, rows, keys, values, block, mask))
             y = self.emit("Concat", f"{name}_blocks", parts, axis=2)
         if self.types[node.inputs[0]].rank == 3:
             v_size = self.types[y].shape[3]
@@ -100,10 +104,11 @@ class _Rewriter(Decomposition):
         # The operator's output under its own name (eliminate_identity renames y's producer).
         self.emit("Identity", f"{name}_y", [y], node.outputs[0])
 
-    def attend(self, node: Node, q: str, k: str, v: str, allowed: np.ndarray) -> str:
+    def attend(self, node: Node, q: str, k: str, v: str, allowed: np.ndarray, mask: str) -> str:
         """[B, q heads, rows, Dv]: q's rows attending k and v, `allowed` ([rows, keys]) saying
-        which keys is_causal and the windows let each row see (every stage of the spec but
-        the heads' split and merge)."""
+        which keys is_causal, the windows and a constant mask let each row see, `mask` the
+        mask input known only at run time ("": none); every stage of the spec but the heads'
+        split and merge."""
         name = node.name
         batch, q_heads, q_len, head_size = self.types[q].shape
         kv_heads = self.types[k].shape[1]
@@ -112,7 +117,7 @@ class _Rewriter(Decomposition):
             q = self.emit("Reshape", f"{name}_group", [q],
                           shape=(batch, kv_heads, fold.rows, head_size))  # fmt: skip
         stages = self.scores(node, q, k)
-        stages["masked"], may_be_empty = self.masked(node, stages["capped"], fold, allowed)
+        stages["masked"], may_be_empty = self.masked(node, stages["capped"], fold, allowed, mask)
         stages["probabilities"] = self.softmax(node, stages["masked"], may_be_empty)
         self.qk_output(node, stages, self.types[node.inputs[0]].dtype, fold)
         y = self.emit("MatMul", f"{name}_values", [stages["probabilities"], v])
@@ -228,13 +233,14 @@ class _Rewriter(Decomposition):
             value = self.emit("Expand", name, [value], shape=(batch, heads, fold.q_len, keys))
         return self.emit("Reshape", name, [value], shape=(batch, fold.kv_heads, fold.rows, keys))
 
-    def masked(self, node: Node, scores: str, fold: _Fold, allowed: np.ndarray) -> tuple[str, int]:
-        """The scores with the float mask added and every disallowed key at -inf (is_causal,
-        the windows (`allowed`), a boolean mask and key lengths in one Where), in the grouped
-        rows of `fold`; and whether a row may be left with no key (1: a mask or key lengths
-        known only at run time, or constant masks that empty a row)."""
+    def masked(
+        self, node: Node, scores: str, fold: _Fold, allowed: np.ndarray, mask: str
+    ) -> tuple[str, int]:
+        """The scores with the float `mask` added and every disallowed key at -inf (`allowed`:
+        is_causal, the windows and a constant mask; a boolean `mask` and key lengths, in one
+        Where), in the grouped rows of `fold`; and whether a row may be left with no key (1:
+        a mask or key lengths known only at run time, or constant masks that empty a row)."""
         name, q_len, k_len = node.name, fold.q_len, self.types[scores].shape[3]
-        mask = node.inputs[3] if len(node.inputs) > 3 else ""
         is_bool = bool(mask) and self.types[mask].dtype == "bool"
         if mask and self.types[mask].shape[-1] < k_len:
             mask = self.padded_mask(node, mask, k_len)
@@ -259,6 +265,25 @@ class _Rewriter(Decomposition):
             keep = self.folded(keep, fold, f"{name}_keep")
             scores = self.emit("Where", f"{name}_masked", [keep, scores, minus_inf])
         return scores, int(may_be_empty)
+
+    def constant_mask(self, mask: str, q_len: int, k_len: int) -> np.ndarray | None:
+        """A constant mask input as [q_len, k_len] booleans (the keys past a short one
+        disallowed), where it is the same for every batch and head and only allows or
+        disallows: boolean, or float of 0 and -inf (an exported causal mask); None for any
+        other mask, which is applied at run time."""
+        if mask not in self.constants:
+            return None
+        array = np.asarray(self.constants[mask])
+        if any(d != 1 for d in array.shape[:-2]):
+            return None
+        array = array.reshape(array.shape[-2:] if array.ndim > 1 else (1, -1))
+        if array.dtype != bool:
+            if not np.all((array == 0) | (array == -np.inf)):
+                return None
+            array = array == 0
+        keep = np.zeros((q_len, k_len), bool)
+        keep[:, : array.shape[1]] = array
+        return keep
 
     def padded_mask(self, node: Node, mask: str, k_len: int) -> str:
         """A mask shorter than the keys (one for the valid keys of a padded cache) padded to
@@ -377,15 +402,17 @@ MIN_BLOCK_ROWS = 64
 MIN_SAVING = 0.2
 
 
-def _query_blocks(node: Node, allowed: np.ndarray) -> list[tuple[int, int, int, int]] | None:
+def _query_blocks(
+    node: Node, allowed: np.ndarray, mask: str
+) -> list[tuple[int, int, int, int]] | None:
     """[(first row, end row, first key, end key)] of the query blocks a causal or windowed
     Attention is computed in, each block reading the keys from the first one any of its rows
-    may attend to the last; or None to compute it whole: where no run-time mask, key lengths
-    or qk_matmul_output needs the whole score matrix, every row attends some key, and the
+    may attend to the last; or None to compute it whole: where no run-time `mask`, key
+    lengths or qk_matmul_output needs the whole score matrix, every row attends some key, and the
     blocks skip MIN_SAVING of its scores. The keys a block skips are disallowed to all its
     rows: exp(-inf) = 0 is all they added."""
     inputs, outputs = node.inputs, node.outputs
-    if any(len(inputs) > i and inputs[i] for i in (3, 6)) or (len(outputs) > 3 and outputs[3]):
+    if mask or (len(inputs) > 6 and inputs[6]) or (len(outputs) > 3 and outputs[3]):
         return None
     q_len, k_len = allowed.shape
     if not allowed.any(axis=1).all():

@@ -434,3 +434,30 @@ def test_attention_stays_whole_where_a_block_would_not_pay_or_needs_every_score(
         extra["is_causal"] = 0
     after = decompose_attention.run(import_model(attention_model(shape, shape, shape, **extra)))
     assert _score_matmuls(after) == [shape[2]]
+
+
+def constant_mask_model(mask: np.ndarray, shape=(1, 2, 256, 8)):
+    """An Attention whose mask is an initializer (a mask built from constants is one after
+    fold_constants), not causal by attribute."""
+    node = helper.make_node("Attention", ["q", "k", "v", "mask"], ["y"])
+    inputs = [(name, FLOAT, list(shape)) for name in ("q", "k", "v")]
+    return make_model([node], inputs, [("y", FLOAT, list(shape))], {"mask": mask}, opset=25)
+
+
+CAUSAL_256 = np.tril(np.ones((256, 256), bool))
+
+
+@pytest.mark.parametrize(
+    ("mask", "keys_read"),
+    [
+        (CAUSAL_256, [64, 128, 192, 256]),  # boolean
+        (np.where(CAUSAL_256, 0.0, -np.inf).astype(np.float32)[None, None], [64, 128, 192, 256]),
+        (CAUSAL_256[:, :200], [64, 128, 192, 200]),  # short: the keys past it disallowed
+        # a float mask with other values is a bias, and one per head is no pattern to skip by
+        (np.where(CAUSAL_256, 0.5, -np.inf).astype(np.float32), [256]),
+        (np.stack([CAUSAL_256, CAUSAL_256.T])[None], [256]),
+    ],
+)
+def test_a_constant_mask_the_same_for_every_head_skips_keys_as_is_causal_does(mask, keys_read):
+    after, _ = assert_decomposed_same(constant_mask_model(mask))
+    assert _score_matmuls(after) == keys_read
