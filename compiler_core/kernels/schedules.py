@@ -1030,7 +1030,7 @@ SHORT_ROW_LANES = 8
 
 def _row_vectors(loop: str, extent: int, target: Target) -> list[Record]:
     """`_vector_rows` of a row stage, whose rows shorter than a vector (softmax over a few
-    classes or keys) are one shorter vector each."""
+    classes or keys, a layer norm of few features) are one shorter vector each."""
     if SHORT_ROW_LANES <= extent < target.vector_lanes:
         return [Vectorize(loop)]
     return _vector_rows(loop, extent, target)

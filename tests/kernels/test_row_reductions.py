@@ -321,3 +321,17 @@ def test_softmax_of_short_rows_is_one_pass_over_rows(length):
     assert kinds.count("Parallel") == 1 and kinds.count("ComputeAt") == 3
     assert ("Vectorize" in kinds) == (length >= 8)
     check_against_ort(model, shape, scale=4.0)
+
+
+def test_layer_norm_of_short_rows_is_one_pass_over_rows_but_half_vectors_stay_plain():
+    """Rows shorter than a vector run as rows (one parallel loop), except rows of half a
+    vector: LLVM packs two of them a vector in the plain passes (one parallel loop a pass)."""
+    half = host_target().vector_lanes // 2
+    for length, loops in ((half, 3), (half + 2, 1)):
+        shape = [64, length]
+        weights = {"scale": RNG.standard_normal(length), "bias": RNG.standard_normal(length)}
+        model = one_node("LayerNormalization", shape, shape, weights=weights, opset=17, axis=-1)
+        graph = optimize(import_model(model))
+        kernel = build_group(graph, graph.groups[0], 0, host_target())
+        assert [type(r).__name__ for r in kernel.schedule].count("Parallel") == loops, length
+        check_against_ort(model, shape)
