@@ -125,14 +125,16 @@ def matmul(name, a_shape, b_shape, b_constant, description=""):
 
 
 def attention(name, heads, length, head_size, kv_heads=None, queries=None, description="", **attrs):
-    """The ONNX Attention operator (opset 23) over [1, heads, queries, head_size] Q and
-    [1, kv_heads, length, head_size] K, V (by default as many heads and queries as keys)."""
+    """The ONNX Attention operator (opset 23; 25 for the windows) over [1, heads, queries,
+    head_size] Q and [1, kv_heads, length, head_size] K, V (by default as many heads and
+    queries as keys)."""
     q_shape = [1, heads, queries or length, head_size]
     kv_shape = [1, kv_heads or heads, length, head_size]
+    windowed = any(key.endswith("_window_size") for key in attrs)
 
     def build():
         inputs = {"q": q_shape, "k": kv_shape, "v": kv_shape}
-        return _model("Attention", inputs, {}, q_shape, attrs, opset=23)
+        return _model("Attention", inputs, {}, q_shape, attrs, opset=25 if windowed else 23)
 
     return Case(name, "attention", description, build)
 
@@ -452,6 +454,15 @@ CASES: dict[str, Case] = {
             queries=1,
             is_causal=1,
             description="grouped-query decode step, 1024 keys",
+        ),
+        attention(
+            "attention_window",
+            12,
+            1024,
+            64,
+            is_causal=1,
+            left_window_size=128,
+            description="causal, 1024 tokens, 128-key sliding window",
         ),
         conv_transpose("convT1d_k16s8", 512, 256, [32], 16, 8, 4, description="HiFi-GAN up"),
         lstm("lstm_4", 4, 128, 192, description="torch.nn.LSTM(128, 192), 4 steps"),
