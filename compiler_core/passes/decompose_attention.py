@@ -391,12 +391,11 @@ def _allowed_positions(node: Node, q_len: int, k_len: int, past: int) -> np.ndar
 
 
 # Causal and windowed attention in blocks of queries, each reading only the keys its queries
-# may attend (`_query_blocks`): at most this many blocks (each block is a
-# GEMM, softmax and GEMM of its own), of this many rows or more (GEMM rows enough to fill
-# register tiles), where it saves this share of the scores or more. 12 heads of 64, Zen 5,
-# 2 threads (`bench.ab`): 256 queries in 4 blocks of 64 0.74x the whole attention's time, in
-# 8 of 32 1.33x the 4 blocks'; 1024 queries in 16 blocks of 64 0.95x 8 of 128, in 32 of 32
-# 1.23x.
+# may attend (`_query_blocks`): at most this many blocks (each a GEMM, softmax and GEMM of its
+# own), of this many rows or more (GEMM rows enough to fill register tiles), where they skip
+# this share of the scores or more. 12 heads of 64, Zen 5, 2 threads (`bench.ab`): 256
+# queries in 4 blocks of 64 0.74x the whole attention's time, in 8 of 32 1.33x the 4 blocks';
+# 1024 queries in 16 blocks of 64 0.95x 8 of 128, in 32 of 32 1.23x.
 MAX_QUERY_BLOCKS = 16
 MIN_BLOCK_ROWS = 64
 MIN_SAVING = 0.2
@@ -407,10 +406,10 @@ def _query_blocks(
 ) -> list[tuple[int, int, int, int]] | None:
     """[(first row, end row, first key, end key)] of the query blocks a causal or windowed
     Attention is computed in, each block reading the keys from the first one any of its rows
-    may attend to the last; or None to compute it whole: where no run-time `mask`, key
-    lengths or qk_matmul_output needs the whole score matrix, every row attends some key, and the
-    blocks skip MIN_SAVING of its scores. The keys a block skips are disallowed to all its
-    rows: exp(-inf) = 0 is all they added."""
+    may attend to the last; or None to compute it whole. Blocks where no run-time `mask`, key
+    lengths or qk_matmul_output needs the whole score matrix, every row attends some key, and
+    they skip MIN_SAVING of its scores. The keys a block skips are disallowed to all its rows:
+    exp(-inf) = 0 is all they added."""
     inputs, outputs = node.inputs, node.outputs
     if mask or (len(inputs) > 6 and inputs[6]) or (len(outputs) > 3 and outputs[3]):
         return None
