@@ -413,6 +413,13 @@ def _query_blocks(
     inputs, outputs = node.inputs, node.outputs
     if mask or (len(inputs) > 6 and inputs[6]) or (len(outputs) > 3 and outputs[3]):
         return None
+    return query_blocks(allowed)
+
+
+def query_blocks(allowed: np.ndarray) -> list[tuple[int, int, int, int]] | None:
+    """`_query_blocks` of a [queries, keys] pattern of allowed keys, known to be the only
+    mask: None where a row allows no key, too few rows make two blocks, or the blocks would
+    skip less than MIN_SAVING of the scores (also `block_masked_attention`'s)."""
     q_len, k_len = allowed.shape
     if not allowed.any(axis=1).all():
         return None

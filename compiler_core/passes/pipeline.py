@@ -14,6 +14,7 @@ from collections.abc import Callable
 from compiler_core.graph.ir import Graph
 from compiler_core.graph.verify import verify
 from compiler_core.passes import (
+    block_masked_attention,
     clone_shared_views,
     decompose_attention,
     decompose_conv_transpose,
@@ -51,6 +52,7 @@ def pipeline(target: Target) -> tuple[tuple[str, Pass], ...]:
 PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("fold_constants", fold_constants.run),
     ("decompose_attention", decompose_attention.run),
+    ("block_masked_attention", block_masked_attention.run),
     ("eliminate_identity", eliminate_identity.run),
     ("simplify_inference", simplify_inference.run),
     ("simplify_views", simplify_views.run),
