@@ -163,7 +163,8 @@ class _Rewriter(Rewrite):
             scores = self.emit("MatMul", f"{name}_scores", [rows, keys])
             if chain.scale is not None:
                 scores = self.emit(chain.scale.op, f"{name}_scale", [scores, chain.scale.inputs[1]])
-            condition = self.constant(chain.allowed[start:stop, first:end], f"{name}_allowed")
+            block = np.ascontiguousarray(chain.allowed[start:stop, first:end])
+            condition = self.constant(block, f"{name}_allowed")
             masked = self.emit("Where", f"{name}_masked", [condition, scores, lowest])
             axis = chain.softmax.attr("axis", -1)
             probabilities = self.emit("Softmax", name, [masked], axis=axis)
