@@ -50,15 +50,19 @@ class OutputArena:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, int]:
         """An uninitialized C-contiguous array on a 64-byte boundary, from a free block of
         the same size when there is one, and its address."""
-        dtype = np.dtype(dtype)
+        dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         if not nbytes:  # nothing to fault in
             array = np.empty(shape, dtype)
             return array, array.ctypes.data
         with self._lock:
-            blocks = self._blocks.setdefault(nbytes, [])
-            block = next((b for b in blocks if b.is_free()), None)
-            if block is None:
+            blocks = self._blocks.get(nbytes)
+            if blocks is None:
+                blocks = self._blocks[nbytes] = []
+            for block in blocks:  # a plain loop: this runs on every run of a module
+                if block.is_free():
+                    break
+            else:
                 block = _Block(nbytes)
                 if len(blocks) < KEPT_PER_SIZE:
                     blocks.append(block)

@@ -164,11 +164,15 @@ def check_names(expected_signature: Signature, inputs: Mapping[str, np.ndarray])
 
 def check_inputs(expected: Signature, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """The inputs as contiguous arrays in signature order; an InputError names any mismatch."""
-    if len(inputs) != len(expected) or any(name not in inputs for name, _, _ in expected):
+    if len(inputs) != len(expected):
         check_names(expected, inputs)
     arrays = []
     for name, shape, dtype in expected:
-        array = inputs[name]
+        try:
+            array = inputs[name]
+        except KeyError:  # as many inputs as expected, one of them misnamed
+            check_names(expected, inputs)
+            raise
         if (  # the common case, quickly
             type(array) is np.ndarray
             and array.flags.c_contiguous
@@ -199,6 +203,12 @@ class _Plan:
     kernels: list[dict]
     workspace_offsets: dict[str, int]
     weight_offsets: dict[str, int]
+
+    def __post_init__(self) -> None:
+        # The entry's pointer arrays' types, made once: a small model's run is mostly the
+        # Python around its kernels (mlp at batch 1: 3.5 us of a 47 us run).
+        self.input_pointers = ctypes.c_void_p * max(len(self.inputs), 1)
+        self.output_pointers = ctypes.c_void_p * max(len(self.outputs), 1)
 
     @classmethod
     def of(cls, plan: dict, entry, batch: int | None) -> _Plan:
@@ -289,10 +299,10 @@ class Module:
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         plan, arrays, batch = self._checked(inputs)
-        outputs, output_ptrs = {}, (ctypes.c_void_p * max(len(plan.outputs), 1))()
+        outputs, output_ptrs = {}, plan.output_pointers()
         for k, (name, shape, dtype) in enumerate(plan.outputs):
             outputs[name], output_ptrs[k] = self._outputs.empty(shape, dtype)
-        input_ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*map(_address, arrays))
+        input_ptrs = plan.input_pointers(*map(_address, arrays))
         plan.entry(input_ptrs, output_ptrs, self._workspace_ptr, self._weights_ptr)
         if plan.batch is not None and batch != plan.batch:
             return {name: array[:batch] for name, array in outputs.items()}

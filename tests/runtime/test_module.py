@@ -179,6 +179,11 @@ def test_manifest_edit_is_caught_by_member_hashes(mlp_archive):
     ("inputs", "message"),
     [
         ({"y": np.zeros((4, 784), np.float32)}, "missing \\['x'\\], unknown \\['y'\\]"),
+        ({}, "missing \\['x'\\], unknown \\[\\]"),
+        (
+            {"x": np.zeros((4, 784), np.float32), "y": np.zeros(1, np.float32)},
+            "missing \\[\\], unknown \\['y'\\]",
+        ),
         ({"x": np.zeros((3, 784), np.float32)}, "float32\\[3, 784\\].*float32\\[4, 784\\]"),
         ({"x": np.zeros((4, 784), np.float64)}, "float64"),
     ],
