@@ -83,7 +83,7 @@ class _Rewriter(Rewrite):
         if softmax.op != "Softmax" or not self.read_once(softmax.outputs[0]):
             return None
         rank = self.types[softmax.inputs[0]].rank
-        if softmax.attr("axis", -1) % rank != rank - 1 or rank < 2:
+        if rank < 2 or softmax.attr("axis", -1) % rank != rank - 1:
             return None
         (values,) = self.graph.consumers[softmax.outputs[0]]
         if values.op != "MatMul" or values.inputs[0] != softmax.outputs[0]:
