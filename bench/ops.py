@@ -139,6 +139,41 @@ def attention(name, heads, length, head_size, kv_heads=None, queries=None, descr
     return Case(name, "attention", description, build)
 
 
+def masked_attention(name, heads, length, head_size, description=""):
+    """Attention spelled out as torch exports GPT-2: Q K^T / sqrt(d), the causal pattern as a
+    constant boolean Where with the float32 lowest value, Softmax, then P V."""
+    shape = [1, heads, length, head_size]
+
+    def build():
+        rng = np.random.default_rng(0)
+        causal = np.tril(np.ones((length, length), bool))[None, None]
+        constants = {
+            "scale": np.float32(np.sqrt(head_size)),
+            "mask": causal,
+            "lowest": np.float32(np.finfo(np.float32).min),
+        }
+        nodes = [
+            helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+            helper.make_node("MatMul", ["q", "kt"], ["s"]),
+            helper.make_node("Div", ["s", "scale"], ["scaled"]),
+            helper.make_node("Where", ["mask", "scaled", "lowest"], ["masked"]),
+            helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+            helper.make_node("MatMul", ["p", "v"], ["y"]),
+        ]
+        graph = helper.make_graph(
+            nodes,
+            "masked_attention",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in "qkv"],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+            [numpy_helper.from_array(np.asarray(v), n) for n, v in constants.items()],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in "qkv"}
+        return model.SerializeToString(), feeds
+
+    return Case(name, "attention", description, build)
+
+
 def unary(name, family, op, shape, attrs=None, out_shape=None, opset=17, description=""):
     def build():
         return _model(op, {"x": shape}, {}, out_shape or shape, attrs, opset)
@@ -463,6 +498,9 @@ CASES: dict[str, Case] = {
             is_causal=1,
             left_window_size=128,
             description="causal, 1024 tokens, 128-key sliding window",
+        ),
+        masked_attention(
+            "attention_gpt2_export", 12, 256, 64, description="causal, as torch exports GPT-2"
         ),
         conv_transpose("convT1d_k16s8", 512, 256, [32], 16, 8, 4, description="HiFi-GAN up"),
         lstm("lstm_4", 4, 128, 192, description="torch.nn.LSTM(128, 192), 4 steps"),
