@@ -26,9 +26,8 @@ import dataclasses
 import numpy as np
 
 from compiler_core.graph.ir import Graph, Node
-from compiler_core.graph.ops import OP_TABLE
 from compiler_core.passes.decompose_attention import query_blocks
-from compiler_core.passes.rewrite import Rewrite
+from compiler_core.passes.rewrite import Decomposition
 
 NAME = "block_masked_attention"
 # A disallowed score at or below this (torch writes finfo(float32).min) adds exp(lowest - max)
@@ -50,37 +49,36 @@ class _Chain:
     allowed: np.ndarray  # [queries, keys]
 
 
-class _Rewriter(Rewrite):
+class _Rewriter(Decomposition):
+    """Takes each blocked chain's nodes: its last MatMul becomes the blocks, the others go."""
+
     def __init__(self, graph: Graph):
         super().__init__(graph)
-        self.nodes: list[Node] = []
-
-    def run(self) -> Graph:
-        chains = [c for c in map(self.match, self.graph.nodes) if c is not None]
-        chains = [(c, query_blocks(c.allowed)) for c in chains]
-        chains = {c.values.name: (c, blocks) for c, blocks in chains if blocks is not None}
-        if not chains:
-            return self.graph
-        dropped = {
-            n.name
-            for c, _ in chains.values()
-            for n in (c.scores, c.scale, c.masked, c.softmax)
-            if n is not None
+        matched = [c for c in map(self.match, graph.nodes) if c is not None]
+        self.chains = {
+            chain.values.name: (chain, blocks)
+            for chain in matched
+            if (blocks := query_blocks(chain.allowed)) is not None
         }
-        for node in self.graph.nodes:
-            if node.name in chains:
-                self.blocked(*chains[node.name])
-            elif node.name not in dropped:
-                self.nodes.append(node)
-        return self.graph.replace(
-            nodes=tuple(self.nodes), constants=self.constants, types=self.types
-        )
+        self.replaced = {
+            node.name
+            for chain, _ in self.chains.values()
+            for node in (chain.scores, chain.scale, chain.masked, chain.softmax)
+            if node is not None
+        }
+
+    def takes(self, node: Node) -> bool:
+        return node.name in self.chains or node.name in self.replaced
+
+    def decompose(self, node: Node) -> None:
+        if node.name in self.chains:
+            self.blocked(*self.chains[node.name])
 
     # --- matching ------------------------------------------------------------------------
 
     def match(self, softmax: Node) -> _Chain | None:
         """The chain around `softmax`, or None where it is not one (see the module doc)."""
-        if softmax.op != "Softmax" or not self.read_once(softmax.outputs[0]):
+        if softmax.op != "Softmax" or not self.single_consumer(softmax.outputs[0]):
             return None
         rank = self.types[softmax.inputs[0]].rank
         if rank < 2 or softmax.attr("axis", -1) % rank != rank - 1:
@@ -89,7 +87,7 @@ class _Rewriter(Rewrite):
         if values.op != "MatMul" or values.inputs[0] != softmax.outputs[0]:
             return None
         masked = self.producer(softmax.inputs[0])
-        if masked is None or masked.op != "Where" or not self.read_once(masked.outputs[0]):
+        if masked is None or masked.op != "Where" or not self.single_consumer(masked.outputs[0]):
             return None
         condition, scores_value, lowest = masked.inputs
         allowed = self.pattern(condition, self.types[softmax.inputs[0]].shape)
@@ -97,10 +95,10 @@ class _Rewriter(Rewrite):
             return None
         scale, scores = None, self.producer(scores_value)
         if scores is not None and scores.op in SCALES and self.is_scalar(scores.inputs[1]):
-            if not self.read_once(scores.outputs[0]):
+            if not self.single_consumer(scores.outputs[0]):
                 return None
             scale, scores = scores, self.producer(scores.inputs[0])
-        if scores is None or scores.op != "MatMul" or not self.read_once(scores.outputs[0]):
+        if scores is None or scores.op != "MatMul" or not self.single_consumer(scores.outputs[0]):
             return None
         if self.types[scores.outputs[0]].shape != self.types[softmax.inputs[0]].shape:
             return None  # the Where broadcast the scores: not one score per mask entry
@@ -108,9 +106,6 @@ class _Rewriter(Rewrite):
 
     def producer(self, value: str) -> Node | None:
         return self.graph.producers.get(value)
-
-    def read_once(self, value: str) -> bool:
-        return len(self.graph.consumers.get(value, ())) == 1 and value not in self.graph.outputs
 
     def pattern(self, condition: str, shape) -> np.ndarray | None:
         """A constant boolean condition as one [queries, keys] pattern for every leading
@@ -133,14 +128,6 @@ class _Rewriter(Rewrite):
         return value in self.constants and np.asarray(self.constants[value]).size == 1
 
     # --- rewriting -----------------------------------------------------------------------
-
-    def emit(self, op: str, name: str, inputs, output: str | None = None, **attrs) -> str:
-        """One node, its output type inferred by the operator's own rule."""
-        output = output or self.fresh(f"{name}_out")
-        node = Node(op, self.fresh(name), tuple(inputs), (output,), attrs)
-        (self.types[output],) = OP_TABLE[op].infer(node, [self.types[i] for i in inputs])[:1]
-        self.nodes.append(node)
-        return output
 
     def sliced(self, value: str, axis: int, start: int, stop: int, name: str) -> str:
         """`value` from start to stop along `axis` (negative: from the end), where that is

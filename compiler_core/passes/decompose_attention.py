@@ -40,7 +40,6 @@ import dataclasses
 import numpy as np
 
 from compiler_core.graph.ir import Graph, Node
-from compiler_core.graph.ops import OP_TABLE
 from compiler_core.passes.rewrite import Decomposition
 
 NAME = "decompose_attention"
@@ -59,14 +58,6 @@ class _Rewriter(Decomposition):
     def takes(self, node: Node) -> bool:
         # Every Attention: the type rule has refused what the spec does not allow.
         return node.op == "Attention"
-
-    def emit(self, op: str, name: str, inputs, output: str | None = None, **attrs) -> str:
-        """One node, its output type inferred by the operator's own rule."""
-        output = output or self.fresh(f"{name}_out")
-        node = Node(op, self.fresh(name), tuple(inputs), (output,), attrs)
-        (self.types[output],) = OP_TABLE[op].infer(node, [self.types[i] for i in inputs])[:1]
-        self.nodes.append(node)
-        return output
 
     def decompose(self, node: Node) -> None:
         name, dtype = node.name, self.types[node.inputs[0]].dtype

@@ -115,7 +115,8 @@ class _Rewriter(Decomposition):
     def takes(self, node: Node) -> bool:
         return _eligible(self.graph, node)
 
-    def emit(self, op: str, name: str, inputs, out_shape, dtype, output=None, **attrs) -> str:
+    def emit_typed(self, op: str, name: str, inputs, out_shape, dtype, output=None, **attrs) -> str:
+        """One node of a type given here (its shape is known from the ConvTranspose)."""
         output = output or self.fresh(f"{name}_out")
         self.types[output] = TensorType(tuple(out_shape), dtype)
         self.nodes.append(Node(op, self.fresh(name), tuple(inputs), (output,), attrs))
@@ -132,7 +133,7 @@ class _Rewriter(Decomposition):
             # 1-D convolutions have no blocked (NCW[b]c) path yet: a unit H axis puts the phase
             # Conv on the 2-D one. The Reshape of x is one copy of the (small) input.
             x_shape, out_shape = (*x_shape[:2], 1, x_shape[2]), (*out_shape[:2], 1, out_shape[2])
-            x = self.emit("Reshape", f"{node.name}_as_2d", [x], x_shape, dtype, shape=x_shape)
+            x = self.emit_typed("Reshape", f"{node.name}_as_2d", [x], x_shape, dtype, shape=x_shape)
             w, strides, pads = w[:, :, None], (1, *strides), (0, pads[0], 0, pads[1])
             output = self.fresh(f"{node.name}_2d")
         n, _, *in_spatial = x_shape
@@ -149,7 +150,7 @@ class _Rewriter(Decomposition):
             inputs.append(self.constant(np.repeat(b, phases), f"{node.name}_phase_bias"))
         canvas = [a.rows * a.stride for a in axes]
         exact = phases == 1 and not any(a.crop for a in axes) and canvas == list(out_spatial)
-        phase_grid = self.emit(
+        phase_grid = self.emit_typed(
             "Conv",
             f"{node.name}_phases",
             inputs,
@@ -163,7 +164,7 @@ class _Rewriter(Decomposition):
         )
         if not exact:
             # One injective op interleaves the phases and crops (a plain crop at stride 1).
-            self.emit(
+            self.emit_typed(
                 "InterleavePhases",
                 f"{node.name}_interleave",
                 [phase_grid],
@@ -176,8 +177,8 @@ class _Rewriter(Decomposition):
             )
         if output != node.outputs[0]:  # back from the lifted 2-D form (fuses into the copy)
             final = out_type.shape
-            self.emit("Reshape", f"{node.name}_as_1d", [output], final, dtype, node.outputs[0],
-                      shape=final)  # fmt: skip
+            self.emit_typed("Reshape", f"{node.name}_as_1d", [output], final, dtype,
+                            node.outputs[0], shape=final)  # fmt: skip
 
 
 def _eligible(graph: Graph, node: Node) -> bool:

@@ -64,6 +64,14 @@ class Decomposition(Rewrite):
     def decompose(self, node: Node) -> None:
         raise NotImplementedError
 
+    def emit(self, op: str, name: str, inputs, output: str | None = None, **attrs) -> str:
+        """Append one node; its output type is what the operator's own rule infers."""
+        output = output or self.fresh(f"{name}_out")
+        node = Node(op, self.fresh(name), tuple(inputs), (output,), attrs)
+        (self.types[output],) = OP_TABLE[op].infer(node, [self.types[i] for i in inputs])[:1]
+        self.nodes.append(node)
+        return output
+
     def run(self) -> Graph:
         """The rewritten graph; the graph itself when no node is taken."""
         if not any(self.takes(node) for node in self.graph.nodes):

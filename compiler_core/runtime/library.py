@@ -66,10 +66,7 @@ def workspace_cached_bytes() -> int | None:
     (kiln_workspace.c; every library loaded after the first uses the first one's cache);
     None before any library is loaded, or where the first was built before the count."""
     kept = getattr(_POOL_HOST, "kiln_workspace_kept_bytes", None) if _POOL_HOST else None
-    if kept is None:
-        return None
-    kept.restype = ctypes.c_int64
-    return int(kept())
+    return None if kept is None else int(kept())
 
 
 class KernelLibrary:
@@ -91,6 +88,9 @@ class KernelLibrary:
             return  # an OpenMP library, built before Kiln had its own pool
         if _POOL_HOST is None:
             _POOL_HOST = self._lib
+            kept = getattr(self._lib, "kiln_workspace_kept_bytes", None)
+            if kept is not None:  # read by workspace_cached_bytes
+                kept.restype = ctypes.c_int64
             return
         share.argtypes = [ctypes.c_void_p]
         share(ctypes.cast(_POOL_HOST.kiln_pool_run, ctypes.c_void_p))
