@@ -42,6 +42,11 @@ HALF_WIDTH_256 = frozenset({"znver1", "bdver2", "bdver3", "bdver4"})
 # a server core under a client's (seen: KVM's model 167, which LLVM names rocketlake, on a
 # Xeon with 480 MB of L3 and AMX, running 512-bit FMAs at 64 FLOP per cycle).
 SERVER_ONLY_FEATURE = "+amx-tile"
+# The host features that change the code LLVM emits for a kernel: the vector ISA (SSE to
+# AVX-512 and AMX, FMA, F16C). The others (protection keys, WBNOINVD, shadow stacks, ...) are
+# ones a hypervisor shows on one VM and hides on the next of the same CPU; keying tuning
+# records on them split one machine's records in two (seen: Zen 3 VMs with and without PKU).
+CODEGEN_FEATURE_PREFIXES = ("+sse", "+ssse3", "+avx", "+fma", "+f16c", "+amx", "+evex512")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +118,11 @@ class Target:
 
     @property
     def fingerprint(self) -> str:
-        """What tuning records and cached objects are keyed by."""
-        enabled = sorted(f for f in self.features.split(",") if f.startswith("+"))
+        """What tuning records and cached objects are keyed by: the CPU, its vector ISA and
+        its cores (a measurement on one VM holds on another of the same CPU and cores)."""
+        enabled = sorted(
+            f for f in self.features.split(",") if f.startswith(CODEGEN_FEATURE_PREFIXES)
+        )
         text = f"{self.kind}|{self.triple}|{self.cpu}|{','.join(enabled)}|{self.cores}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
