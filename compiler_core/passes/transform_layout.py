@@ -87,6 +87,8 @@ class _Rewriter:
         self.nodes: list[Node] = []
         # plain value -> {block: the value's twin in NCHW[block]c}
         self.blocked: dict[str, dict[int, str]] = {}
+        # (constant, rank) -> the constant reshaped to that rank (`_full_rank`)
+        self.full_rank: dict[tuple[str, int], str] = {}
         self.plain: set[str] = set(graph.inputs) | set(graph.constants)  # materialized
         self.readers: dict[str, list[Node]] = {}
         for node in graph.nodes:
@@ -97,9 +99,9 @@ class _Rewriter:
 
     def as_blocked(self, value: str, block: int) -> str:
         twins = self.blocked.setdefault(value, {})
-        if block not in twins and value in self.graph.constants:  # blocked at build time
+        if block not in twins and value in self.constants:  # blocked at build time
             twin = self.fresh.unique(f"{value}_{self._layout(value, block).lower()}")
-            self.constants[twin] = to_blocked(self.graph.constants[value], block)
+            self.constants[twin] = to_blocked(self.constants[value], block)
             self.types[twin] = TensorType(self.constants[twin].shape, self.types[value].dtype)
             twins[block] = twin
         if block not in twins:
@@ -118,7 +120,7 @@ class _Rewriter:
 
     def _layout(self, value: str, block: int) -> str:
         """The name of `value`'s layout in `block` (from the rank of its plain form)."""
-        return blocked_layout(block, self.graph.types[value].rank)
+        return blocked_layout(block, self.types[value].rank)
 
     def _transform(self, source: str, from_block: int, to_block: int, value: str, output=None):
         target = self._layout(value, to_block)
@@ -256,12 +258,34 @@ class _Rewriter:
         data = self._data_inputs(node)
         if len(shape) - 2 not in SPATIAL:
             return 0
-        if not all(_channels_aligned(self.graph.types[v].shape, shape) for v in data):
+        if not all(_channels_aligned(self._operand_shape(v, len(shape)), shape) for v in data):
             return 0
         block = next((self._block_available(v) for v in data if v in self.blocked), 0)
         if block and shape[1] % block and node.op not in PADDING_SAFE:
             return 0
         return block
+
+    def _operand_shape(self, value: str, rank: int) -> tuple[int, ...]:
+        """An operand's shape as it broadcasts against a result of `rank`: a constant of
+        lower rank lines up with the result's trailing axes (the [C, 1, 1] scale that Caffe's
+        exporters give a batch norm or Scale layer); other values as they are."""
+        shape = self.graph.types[value].shape
+        if value in self.graph.constants and len(shape) < rank:
+            return (1,) * (rank - len(shape)) + shape
+        return shape
+
+    def _full_rank(self, value: str, rank: int) -> str:
+        """`value`, or for a constant of lower rank its copy reshaped to `rank` (leading 1s),
+        which blocks as any constant of the result's rank does."""
+        shape = self._operand_shape(value, rank)
+        if shape == self.graph.types[value].shape:
+            return value
+        if (value, rank) not in self.full_rank:
+            name = self.fresh.unique(f"{value}_rank{rank}")
+            self.constants[name] = self.graph.constants[value].reshape(shape)
+            self.types[name] = TensorType(shape, self.types[value].dtype)
+            self.full_rank[value, rank] = name
+        return self.full_rank[value, rank]
 
     def _pool_block(self, node: Node) -> int:
         """Max and average pooling over the spatial axes run in the block of their blocked input
@@ -297,8 +321,11 @@ class _Rewriter:
         return block
 
     def _blocked_elementwise(self, node: Node, block: int) -> None:
-        data = set(self._data_inputs(node))
-        inputs = tuple(self.as_blocked(v, block) if v in data else v for v in node.inputs)
+        data, rank = set(self._data_inputs(node)), self.types[node.outputs[0]].rank
+        inputs = tuple(
+            self.as_blocked(self._full_rank(v, rank), block) if v in data else v
+            for v in node.inputs
+        )
         self._produce_blocked(node, inputs, block)
 
 

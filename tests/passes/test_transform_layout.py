@@ -109,6 +109,53 @@ def test_per_channel_constant_is_blocked_at_build_time():
     assert_same_function(before, after)
 
 
+def dense_block_model(scale_shape):
+    """DenseNet's pre-activation join as Caffe's exporters write it: a conv's output joined
+    to its input, scaled and shifted per channel by constants of shape [C, 1, 1] (a batch
+    norm or Scale layer), Relu, then the next conv."""
+    return make_model(
+        [
+            conv("grow", "x", "wa", "g", pads=[1, 1, 1, 1]),
+            helper.make_node("Concat", ["x", "g"], ["j"], name="join", axis=1),
+            helper.make_node("Mul", ["j", "scale"], ["s"], name="scale"),
+            helper.make_node("Add", ["s", "shift"], ["t"], name="shift"),
+            helper.make_node("Relu", ["t"], ["r"], name="relu"),
+            conv("next", "r", "wb", "y"),
+        ],
+        [("x", FLOAT, [1, 16, 6, 6])],
+        [("y", FLOAT, [1, 16, 6, 6])],
+        {
+            "wa": rand(16, 16, 3, 3),
+            "wb": rand(16, 32, 1, 1),
+            "scale": rand(*scale_shape),
+            "shift": rand(32, 1, 1),
+        },
+    )
+
+
+def test_per_channel_constants_of_lower_rank_are_blocked_too():
+    before = before_layout(dense_block_model((32, 1, 1)))
+    assert (32, 1, 1) in [before.types[v].shape for n in before.nodes for v in n.inputs]
+    after = transform_layout.run(before)
+    # The input blocked to join the conv's output, the output made plain: nothing between.
+    assert [n.op for n in after.nodes] == [
+        "Conv", "LayoutTransform", "Concat", "Mul", "Add", "Relu", "Conv", "LayoutTransform"
+    ]  # fmt: skip
+    scale = next(n for n in after.nodes if n.op == "Mul")
+    assert [after.types[v].rank for v in scale.inputs] == [5, 5]
+    assert {"scale", "shift"}.isdisjoint(after.constants)  # stored once, blocked
+    assert_same_function(before, after)
+
+
+def test_a_lower_rank_constant_along_the_width_sends_the_value_back_to_plain():
+    """A [6] constant broadcasts along the width, not the channels: it cannot be blocked."""
+    before = before_layout(dense_block_model((6,)))
+    after = transform_layout.run(before)
+    scale = next(n for n in after.nodes if n.op == "Mul")
+    assert [after.types[v].shape for v in scale.inputs] == [(1, 32, 6, 6), (6,)]
+    assert_same_function(before, after)
+
+
 def test_operand_broadcast_over_channels_sends_the_value_back_to_plain():
     model = make_model(
         [
