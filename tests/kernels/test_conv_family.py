@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper, numpy_helper
 
 import compiler_core
 from compiler_core.autotune.tasks import extract_tasks
+from compiler_core.build import build_kernels
 from compiler_core.compiler import compile_graph
 from compiler_core.frontend.onnx import import_model
 from compiler_core.graph.ir import Graph, Node, TensorType
@@ -274,6 +275,42 @@ def shuffle_unit():
             "flat": np.array([1, 116, 9, 9], np.int64),
         },
     )
+
+
+# Grouped convs whose groups no vector block divides stay plain (the layout pass blocks a
+# grouped conv only in whole blocks a group); each group's filters are padded to whole blocks.
+PADDED_GROUP_CASES = {
+    "shufflenet_groups_of_34_1x1": lambda: conv_case(136, 136, [7, 9], 1, group=4),
+    "groups_of_10_no_bias": lambda: conv_case(20, 20, [9, 11], 3, pad=1, group=2, bias=False),
+    "groups_of_12_in_18_out_strided": lambda: conv_case(24, 36, [9, 10], 3, 2, 1, group=2),
+}
+
+
+@pytest.mark.parametrize("name", list(PADDED_GROUP_CASES))
+def test_grouped_plain_conv_pads_each_group_to_whole_blocks(name):
+    model = PADDED_GROUP_CASES[name]()
+    graph = optimize(import_model(model), target=host_target())
+    (conv,) = [n for n in graph.nodes if n.op == "Conv"]
+    assert conv.attr("out_layout", "NCHW") == "NCHW", name
+    (kernel,) = build_kernels(graph, host_target())
+    assert any(stage.note("layout") == "packed" for stage in kernel.stages), name
+    feeds = {"x": rand(*[d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim])}
+    actual = load(compiler_core.compile(model)).run(feeds)["y"]
+    assert_close_to_scale(actual, ort_output(model, feeds), label=name)
+
+
+def test_a_half_precision_grouped_conv_crops_its_padded_groups():
+    model = conv_case(136, 136, [5, 6], 1, group=4)
+    half = helper.make_model(model.graph, opset_imports=model.opset_import)
+    for tensor in (*half.graph.input, *half.graph.output):
+        tensor.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for i, init in enumerate(half.graph.initializer):
+        array = numpy_helper.to_array(init).astype(np.float16)
+        half.graph.initializer[i].CopyFrom(numpy_helper.from_array(array, init.name))
+    feeds = {"x": rand(1, 136, 5, 6)}
+    actual = load(compiler_core.compile(half)).run({"x": feeds["x"].astype(np.float16)})["y"]
+    assert actual.dtype == np.float16
+    assert_close_to_scale(actual, ort_output(model, feeds), rtol=3e-3)
 
 
 def two_class_head():
