@@ -412,6 +412,13 @@ def build_kernels(
     """One kernel per fused group, with the schedule `schedules` gives it or the default, and
     the compute choices `choices` gives it (tuned: see `lower_group`); with
     `prefetch_weights`, kernels prefetch the next kernels' weights (`weight_prefetch`)."""
+    grouped = {name for group in graph.groups for name in group.nodes}
+    ungrouped = [node.name for node in graph.nodes if node.name not in grouped]
+    if ungrouped:  # their outputs would be left unwritten: a wrong answer, not an error
+        raise ValueError(
+            f"{len(ungrouped)} nodes in no fusion group (the first: {ungrouped[0]!r}): build a "
+            "graph the pipeline fused (passes.pipeline.optimize)"
+        )
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)

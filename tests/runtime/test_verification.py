@@ -7,10 +7,13 @@ import math
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import compiler_core
-from compiler_core.compiler import VERIFY_RTOL, output_error
+from compiler_core.compiler import VERIFY_RTOL, compile_graph, output_error
+from compiler_core.frontend.onnx import import_model
+from compiler_core.target import host_target
 
 RNG = np.random.default_rng(0)
 
@@ -65,3 +68,17 @@ def test_a_long_gemm_compiles_verified():
     onnx.checker.check_model(model)
     check = compiler_core.compile(model.SerializeToString()).manifest["verification"]
     assert check["passed"] is True and check["max_abs_error"] > 0, check
+
+
+def test_a_graph_the_pipeline_did_not_fuse_is_refused_not_built_wrong():
+    """compile_graph takes an optimized graph: one without fusion groups would build no
+    kernels and leave its outputs unwritten."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ValueError, match="no fusion group"):
+        compile_graph(import_model(model), host_target())
