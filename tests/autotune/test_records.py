@@ -214,6 +214,22 @@ def test_in_model_timings_decide_the_best_until_a_newer_search(store, tmp_path):
     assert store.best(KEY, FP).config["tile_x"] == 3
 
 
+def test_only_the_last_in_model_check_decides(store):
+    """Two checks of one workload (best-only exports of two sessions, merged): their timings,
+    taken on different days, do not compare; the later check, which timed the earlier
+    choice beside its own candidates, decides."""
+    day = 86400.0
+    store.extend(
+        [
+            record(tile=1, costs=[4e-3], retimed=True, in_model=True),
+            record(tile=3, costs=[5e-3], retimed=True, in_model=True, timestamp=1700000000 + day),
+            record(tile=1, costs=[6e-3], retimed=True, in_model=True, timestamp=1700000001 + day),
+        ]
+    )
+    assert store.best(KEY, FP).config["tile_x"] == 3
+    assert [r.config["tile_x"] for r in store.ranked(KEY, FP)] == [3, 1]
+
+
 def test_the_previous_choice_is_the_last_check_before_the_latest_search(store):
     """What builds applied before a workload's latest search: the fastest record of the last
     in-model check before its last search measurement (here the default, which won the
