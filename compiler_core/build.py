@@ -127,7 +127,7 @@ def lower_group(
 ) -> LoweredGroup:
     """The group's tensor expressions lowered to loop IR; `choices` are the tuner's decisions
     about its compute (`KernelContext.choice`), the builders' rules where absent."""
-    nodes = [graph.node_by_name[name] for name in group.nodes]
+    nodes = _nodes(graph, group)
     ctx = KernelContext(graph, f"g{index}", target, choices)
     for node in nodes:
         builder = KERNELS.get(node.op)
@@ -223,11 +223,57 @@ def largest_scratch(kernels: Sequence[GroupKernel], threads: int) -> tuple[int, 
 
 
 def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:
-    """Liveness-based reuse: an intermediate's bytes are free once its last reader ran."""
+    """Liveness-based reuse: an intermediate's bytes are free once its last reader ran; the
+    operands of a Concat joined in place live inside its output (`concat_aliases`)."""
     external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
     sizes = {value: graph.types[value].nbytes for k in kernels for value in k.outputs}
     steps = [(k.inputs, k.outputs) for k in kernels]
-    return plan_buffers(steps, sizes, external)
+    return plan_buffers(steps, sizes, external, aliases=concat_aliases(graph))
+
+
+def concat_aliases(graph: Graph) -> dict[str, tuple[str, int]]:
+    """{operand: (the value it lives in, byte offset)} for the Concats joined in place
+    (`_concat_joins`), a join's operands inside the outermost join that holds it."""
+    direct = _concat_joins(graph)
+
+    def outermost(value: str) -> tuple[str, int]:
+        joined, start = direct[value]
+        while joined in direct:
+            joined, outer = direct[joined]
+            start += outer
+        return joined, start
+
+    return {value: outermost(value) for value in direct}
+
+
+def _concat_joins(graph: Graph) -> dict[str, tuple[str, int]]:
+    """{operand: (its Concat's output, byte offset)} for the Concats joined in place: each
+    operand is written by its producer straight into its slice of the joined value, and the
+    Concat's kernel copies nothing (DenseNet's growing joins copied every earlier layer's
+    features again at each layer). A Concat qualifies when it is a group of its own, its
+    slices are contiguous (every axis before the joined one of extent 1: batch 1, NCHW or
+    NCHW[b]c on channels) and start on ALIGNMENT, and its operands are intermediates, all
+    different, that no earlier Concat took (a join's output may be one: joins nest)."""
+    external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
+    direct: dict[str, tuple[str, int]] = {}
+    for group in graph.groups:
+        if len(group.nodes) != 1 or graph.node_by_name[group.nodes[0]].op != "Concat":
+            continue
+        node = graph.node_by_name[group.nodes[0]]
+        joined, operands = node.outputs[0], node.inputs
+        shape = graph.types[joined].shape
+        sizes = [graph.types[value].nbytes for value in operands]
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        if (
+            joined in external
+            or math.prod(shape[: node.attr("axis") % len(shape)]) != 1
+            or len(set(operands)) != len(operands)
+            or any(value in external or value in direct for value in operands)
+            or any(start % ALIGNMENT for start in starts)
+        ):
+            continue
+        direct.update(zip(operands, ((joined, start) for start in starts), strict=True))
+    return direct
 
 
 def plan_buffers(
@@ -235,19 +281,26 @@ def plan_buffers(
     sizes: dict[str, int],
     external: set[str],
     alignment: int = ALIGNMENT,
+    aliases: Mapping[str, tuple[str, int]] | None = None,
 ) -> MemoryPlan:
     """Offsets in one workspace for the values `steps` (inputs, outputs) define, except the
-    `external` ones; a value's bytes are reused once its last reader ran."""
+    `external` ones; a value's bytes are reused once its last reader ran. An aliased value
+    (`aliases`: value -> (host value, byte offset)) lives inside its host, whose bytes are
+    held from the first of its parts' definitions to the last of their reads."""
+    aliases = aliases or {}
     defined_at, last_use = {}, {}
     for step, (inputs, outputs) in enumerate(steps):
         for value in inputs:
             last_use[value] = step
         for value in outputs:
             defined_at.setdefault(value, step)
+    for value, (host, _) in aliases.items():
+        defined_at[host] = min(defined_at[host], defined_at[value])
+        last_use[host] = max(last_use.get(host, -1), last_use.get(value, -1))
     live: list[tuple[int, int, str]] = []  # (offset, size, value)
     offsets, peak, naive = {}, 0, 0
     for value, step in sorted(defined_at.items(), key=lambda item: item[1]):
-        if value in external:
+        if value in external or value in aliases:
             continue
         live = [(o, s, v) for o, s, v in live if last_use.get(v, defined_at[v]) >= step]
         size = -(-max(sizes[value], 1) // alignment) * alignment
@@ -256,6 +309,8 @@ def plan_buffers(
         live.append((offset, size, value))
         offsets[value] = offset
         peak = max(peak, offset + size)
+    for value, (host, start) in aliases.items():
+        offsets[value] = offsets[host] + start
     return MemoryPlan(offsets, peak, naive)
 
 
@@ -419,14 +474,31 @@ def build_kernels(
             f"{len(ungrouped)} nodes in no fusion group (the first: {ungrouped[0]!r}): build a "
             "graph the pipeline fused (passes.pipeline.optimize)"
         )
+    in_place = {joined for joined, _ in _concat_joins(graph).values()}
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)
         chosen = (choices or {}).get(group.name)
+        if set(group_outputs(graph, _nodes(graph, group))) & in_place:
+            kernels.append(_joined_in_place(graph, group, index, target, prefix))
+            continue
         kernels.append(build_group(graph, group, index, target, override, prefix, chosen))
     if prefetch_weights:
         add_weight_prefetches(graph, kernels)
     return kernels
+
+
+def _nodes(graph: Graph, group) -> list:
+    return [graph.node_by_name[name] for name in group.nodes]
+
+
+def _joined_in_place(graph: Graph, group, index: int, target: Target, prefix: str):
+    """The kernel of a Concat whose operands the memory plan puts in place inside its output
+    (`concat_aliases`): their producers wrote the joined value already, so it does nothing.
+    It keeps its place in the plan (one kernel per group, as the profile and manifest read)."""
+    lowered = lower_group(graph, group, index, target)
+    func = dataclasses.replace(lowered.func, name=prefix + lowered.func.name, body=Block(()))
+    return GroupKernel(prefix + lowered.name, func, lowered.inputs, lowered.outputs, [], {}, [])
 
 
 def add_weight_prefetches(graph: Graph, kernels: Sequence[GroupKernel]) -> None:
