@@ -433,6 +433,10 @@ def _previous_check(records: Iterable[TuningRecord]) -> TuningRecord | None:
     return min(candidates[start : end + 1], key=lambda record: record.cost)
 
 
+# A check writes its records together, within a second; checks are minutes apart at least.
+CHECK_SECONDS = 60.0
+
+
 def _deciding(candidates: list[TuningRecord]) -> list[TuningRecord]:
     """The records (in log order) that decide a workload's best: the last in-model check's
     timings when they came after its last search measurement, else the others (a newer
@@ -446,10 +450,6 @@ def _deciding(candidates: list[TuningRecord]) -> list[TuningRecord]:
         latest = max(record.timestamp for record in in_model)
         return [r for r in in_model if r.timestamp >= latest - CHECK_SECONDS]
     return [r for r in candidates if not r.in_model]
-
-
-# A check writes its records together, within a second; checks are minutes apart at least.
-CHECK_SECONDS = 60.0
 
 
 def _last_search(records: list[TuningRecord]) -> int:

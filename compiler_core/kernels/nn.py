@@ -179,7 +179,11 @@ def _conv(ctx: KernelContext, node: Node):
         conv = compute(
             out.shape, lambda *i: Cast(out.dtype, wide[computed(*i)]), ctx.stage_name(node)
         )
-        shape, inner_padding = out.shape, False  # cropped by the cast
+        shape = out.shape  # cropped by the cast: the stages after it read real channels
+
+        def computed(*index):
+            return index
+
     if not has_bias:
         if shape == tuple(out.shape):
             return [conv]
