@@ -285,20 +285,19 @@ def _conv_im2col(ctx: KernelContext, node: Node):
 def _plain_conv_block(
     per_group: int, group: int, lanes: int, fma_lanes: int = 8
 ) -> tuple[int, int]:
-    """(channel block, output channels padded to whole blocks) of a plain-layout conv. An
-    ungrouped conv with a vector's worth of channels takes a full vector (`lanes`) or 8 lanes,
-    whichever takes the fewest FMA cycles (`block_cost`; ties: the larger), its filters padded
-    with zeros to whole blocks: 58 channels compute 64, 116 compute 120 (128 where a 16-lane
-    FMA costs one 8-lane one), cropped by the epilogue (a block of 4 that divides 116 ran
-    1.45x ORT, half a ymm per FMA). Grouped convs take a block that divides a group's
-    channels; else, with a vector's worth of channels a group, each group is padded so
-    (ShuffleNet's 4 groups of 34 ran 6 GFLOP/s unblocked, a tenth of its groups of 68 in
-    blocks of 4); with fewer, none (0)."""
-    divides = next((b for b in (lanes, 8, 4) if per_group % b == 0), 0)
-    if per_group >= 8 and (group == 1 or not divides):
+    """(channel block, output channels padded to whole blocks) of a plain-layout conv. With a
+    vector's worth of channels (a group's, for a grouped conv) it takes a full vector (`lanes`)
+    or 8 lanes, whichever takes the fewest FMA cycles (`block_cost`; ties: the larger), its
+    filters padded with zeros to whole blocks, each group's on its own: 58 channels compute
+    64, 116 compute 120 (128 where a 16-lane FMA costs one 8-lane one), cropped after (a
+    block of 4 that divides 116 ran 1.45x ORT, half a ymm per FMA; ShuffleNet v1's groups of
+    68 ran 0.90x in padded blocks of 8 against blocks of 4, and its groups of 34, which no
+    block divides, ran 6 GFLOP/s unblocked). With fewer channels, a block that divides them,
+    or none (0)."""
+    if per_group >= 8:
         block = min((lanes, 8), key=lambda b: (block_cost(per_group, b, fma_lanes), -b))
         return block, -(-per_group // block) * block * group
-    return divides, per_group * group
+    return next((b for b in (lanes, 8, 4) if per_group % b == 0), 0), per_group * group
 
 
 def _conv_nchwc(ctx: KernelContext, node: Node):

@@ -283,6 +283,7 @@ PADDED_GROUP_CASES = {
     "shufflenet_groups_of_34_1x1": lambda: conv_case(136, 136, [7, 9], 1, group=4),
     "groups_of_10_no_bias": lambda: conv_case(20, 20, [9, 11], 3, pad=1, group=2, bias=False),
     "groups_of_12_in_18_out_strided": lambda: conv_case(24, 36, [9, 10], 3, 2, 1, group=2),
+    "groups_of_12_padded_past_a_block_of_4": lambda: conv_case(24, 24, [6, 7], 3, pad=1, group=2),
 }
 
 
@@ -353,7 +354,9 @@ def test_odd_channel_counts_get_vector_blocks_and_match_onnxruntime(name):
         (58, 1, 16, (16, 64)),  # 64 either way: the larger block
         (116, 1, 16, (8, 120)),  # 8 pads least
         (58, 1, 8, (8, 64)),
-        (6, 2, 16, (0, 12)),  # grouped: not padded
+        (6, 2, 16, (0, 12)),  # groups of fewer than 8: not padded
+        (68, 4, 8, (8, 288)),  # groups of 68 in blocks of 8 (72 each), not 4
+        (34, 4, 16, (8, 160)),  # 5 blocks of 8 a group, where a 16-lane FMA costs two 8-lane
         (3, 1, 16, (0, 3)),  # too few channels for a vector
     ],
 )
