@@ -13,7 +13,6 @@ committed logs' were re-keyed when the change landed, from their feature lists).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import tempfile
@@ -23,9 +22,7 @@ from compiler_core.target import Target, host_target
 
 def legacy_fingerprint(target: Target) -> str:
     """The fingerprint as it was computed before 2026-11-29: over every enabled feature."""
-    enabled = sorted(f for f in target.features.split(",") if f.startswith("+"))
-    text = f"{target.kind}|{target.triple}|{target.cpu}|{','.join(enabled)}|{target.cores}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return target.fingerprint_over(f for f in target.features.split(",") if f.startswith("+"))
 
 
 def rekey_lines(lines: list[str], legacy: str, current: str) -> tuple[list[str], int]:

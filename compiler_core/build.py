@@ -20,6 +20,7 @@ from compiler_core import te
 from compiler_core.codegen import llvm as codegen
 from compiler_core.codegen.native import compile_kernels, emit_object
 from compiler_core.graph.ir import Graph, TensorType
+from compiler_core.graph.verify import groups_partition
 from compiler_core.kernels import KERNELS, KernelContext, KernelError, weight_prefetch
 from compiler_core.kernels.schedules import StageInfo, default_schedule, transposed_read_tiles
 from compiler_core.loop.ir import Allocate, Block, For, ForKind, IfThenElse, PrimFunc, Stmt
@@ -467,12 +468,11 @@ def build_kernels(
     """One kernel per fused group, with the schedule `schedules` gives it or the default, and
     the compute choices `choices` gives it (tuned: see `lower_group`); with
     `prefetch_weights`, kernels prefetch the next kernels' weights (`weight_prefetch`)."""
-    grouped = {name for group in graph.groups for name in group.nodes}
-    ungrouped = [node.name for node in graph.nodes if node.name not in grouped]
-    if ungrouped:  # their outputs would be left unwritten: a wrong answer, not an error
+    # A node outside every group would get no kernel and leave its outputs unwritten.
+    problems = list(groups_partition(graph)) if graph.groups else ["no fusion groups"]
+    if graph.nodes and problems:
         raise ValueError(
-            f"{len(ungrouped)} nodes in no fusion group (the first: {ungrouped[0]!r}): build a "
-            "graph the pipeline fused (passes.pipeline.optimize)"
+            f"{problems[0]}: build a graph the pipeline fused (passes.pipeline.optimize)"
         )
     in_place = {joined for joined, _ in _concat_joins(graph).values()}
     kernels = []

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import os
 import shlex
+from collections.abc import Iterable
 
 from compiler_core.errors import UserError
 
@@ -120,10 +121,13 @@ class Target:
     def fingerprint(self) -> str:
         """What tuning records and cached objects are keyed by: the CPU, its vector ISA and
         its cores (a measurement on one VM holds on another of the same CPU and cores)."""
-        enabled = sorted(
-            f for f in self.features.split(",") if f.startswith(CODEGEN_FEATURE_PREFIXES)
-        )
-        text = f"{self.kind}|{self.triple}|{self.cpu}|{','.join(enabled)}|{self.cores}"
+        codegen = (f for f in self.features.split(",") if f.startswith(CODEGEN_FEATURE_PREFIXES))
+        return self.fingerprint_over(codegen)
+
+    def fingerprint_over(self, features: Iterable[str]) -> str:
+        """The hash of the target's kind, triple, CPU and cores with `features` (the legacy
+        fingerprint took every enabled feature: `bench.rekey`)."""
+        text = f"{self.kind}|{self.triple}|{self.cpu}|{','.join(sorted(features))}|{self.cores}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
