@@ -1485,7 +1485,7 @@ def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
     # are in cache, and a longer tile loads each weight vector for more pixels). A tile of
     # several blocks holds as many pixels as the accumulators allow.
     in_width = dw.note("in_width")
-    expand_tiles = tuple(t for t in range(1, expand_most + 1) if in_width % t == 0)
+    expand_tiles = _expand_tiles(in_width, expand_most)
     if blocks == 1:
         preferred = min(FMA_CHAINS, _nchwc_preferred(False, block, target))
         _, expand_tile = _chain_tiles(in_width, preferred, expand_most)
@@ -1515,12 +1515,38 @@ def _expand_most(dw: StageInfo, target: Target) -> int:
     return _nchwc_most(chain_producer(dw).shape[-1], target)
 
 
+def _expand_tiles(width: int, most: int) -> tuple[int, ...]:
+    """Expand tiles along a row of `width` pixels: its divisors up to `most`, and the tiles
+    of CHAIN_LEAST_TILE or more that divide it not, whose last tile, moved back to end at
+    the row's end (`SplitOverlap`), recomputes at most a seventh of the row (a row of 7
+    in tiles of 4: pixels 0-3 and 3-6)."""
+    divisors = [t for t in range(1, most + 1) if width % t == 0]
+    overlapping = [
+        t
+        for t in range(CHAIN_LEAST_TILE, min(most, width) + 1)
+        if width % t and 7 * (_overlap_pixels(width, t) - width) <= width
+    ]
+    return tuple(sorted({*divisors, *overlapping}))
+
+
+def _overlap_pixels(width: int, tile: int) -> int:
+    """Pixels a row's tiles compute, its last tile overlapping the one before where `tile`
+    does not divide `width`."""
+    return width if width % tile == 0 else (width // tile + 1) * tile
+
+
 def _expand_tile_of(dw: StageInfo, blocks: int, target: Target) -> int:
-    """The longest expand tile (a divisor of the row) whose `blocks` x pixels accumulators
-    fit the registers; 0 when none holds `_least_expand_accumulators`."""
-    most = _expand_most(dw, target)
-    tile = _largest_divisor(dw.note("in_width"), range(most // blocks, 0, -1))
-    return tile if tile * blocks >= _least_expand_accumulators(dw, most) else 0
+    """The longest expand tile whose `blocks` x pixels accumulators fit the registers and
+    hold `_least_expand_accumulators`: a divisor of the row, else one whose last tile
+    overlaps (AVX2, a row of 7, three blocks: 4 pixels, where a divisor leaves 1); 0 when
+    none does."""
+    most, width = _expand_most(dw, target), dw.note("in_width")
+    least = _least_expand_accumulators(dw, most)
+    divisor = _largest_divisor(width, range(most // blocks, 0, -1))
+    if divisor * blocks >= least:
+        return divisor
+    fitting = [t for t in _expand_tiles(width, most) if least <= t * blocks <= most]
+    return max(fitting, default=0)
 
 
 def _least_expand_accumulators(dw: StageInfo, most: int) -> int:
@@ -1632,23 +1658,34 @@ def nchwc_chain_schedule(
     # channels (the blocks innermost: each broadcast input feeds one FMA per block).
     px_loop, pmi_loop = at.moved(producer.loop(3)), at.moved(producer.loop(4))
     expand_reduce = [name for name, _ in producer.reduce_axes]
-    pixels = Split(px_loop, int(config["expand_tile"]))
-    expand_cache = CacheWrite(producer.name, expand_reduce[0])
+    expand_tile = int(config["expand_tile"])
+    # The tile's channel blocks (several: the loop over them; one: none).
+    pmo_loops = [at.moved(producer.loop(1))] if blocks > 1 else []
     if blocks > 1:
-        pmo_loop, py_loop = at.moved(producer.loop(1)), at.moved(producer.loop(2))
-        order = (py_loop, pixels.outer, *expand_reduce, pixels.inner, pmo_loop, pmi_loop)
-        unrolled = [Unroll(pixels.inner), Unroll(pmo_loop)]
+        records.append(Reorder((at.moved(producer.loop(2)), px_loop, *pmo_loops, pmi_loop)))
+    if dw.note("in_width") % expand_tile == 0:
+        pixels = Split(px_loop, expand_tile)
+        records.append(pixels)
+        nests = [_ExpandNest((pixels.outer,), pixels.inner, expand_reduce, pmo_loops, pmi_loop)]
     else:
-        order = (pixels.outer, *expand_reduce, pixels.inner, pmi_loop)
-        unrolled = [Unroll(pixels.inner)]
-    records += [
-        pixels,
-        Reorder(order),
-        expand_cache,
-        Vectorize(pmi_loop),
-        *unrolled,
-        *_vector_tile_io(expand_cache, len(producer.shape)),
-    ]
+        # Whole tiles, then one more that ends at the row's end, overlapping the last whole
+        # one (its pixels computed twice, each time the same): no guard in the FMA loop.
+        pixels = SplitOverlap(px_loop, expand_tile)
+        records.append(pixels)
+        tail = pixels.in_tail
+        nests = [
+            _ExpandNest((pixels.outer,), pixels.inner, expand_reduce, pmo_loops, pmi_loop),
+            _ExpandNest(
+                (),
+                pixels.tail_loop,
+                [tail(loop) for loop in expand_reduce],
+                [tail(loop) for loop in pmo_loops],
+                tail(pmi_loop),
+                "_t",
+            ),
+        ]
+    for nest in nests:
+        records += _expand_register_tile(producer, nest)
     if epilogue_of_producer and on_stack:
         records.append(ReverseComputeInline(epilogue_of_producer))
     # The depthwise conv over the tile's rows, as an unchained one.
@@ -1668,6 +1705,36 @@ def nchwc_chain_schedule(
         records.append(ReverseComputeInline(epilogue.name))
     fused, parallel = fuse_all([n_loop, *split])
     return [*records, *fused, Parallel(parallel)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpandNest:
+    """The loops of one nest of a chained expand conv's register tiles (the whole tiles', or
+    the overlapping last tile's): the tile loops outside the reduction, the tile's pixels,
+    the reduction, its channel blocks (none for a tile of one block), the block's lanes, and
+    its cache's suffix."""
+
+    outer: Sequence[str]
+    pixels: str
+    reduce: Sequence[str]
+    blocks: Sequence[str]
+    lanes: str
+    suffix: str = ""
+
+
+def _expand_register_tile(producer: StageInfo, nest: _ExpandNest) -> list[Record]:
+    """A chained expand conv's register tile: pixels x channel blocks (the blocks innermost:
+    each broadcast input feeds one FMA per block) accumulated over the whole reduction, a
+    block's lanes one vector."""
+    cache = CacheWrite(producer.name, nest.reduce[0], nest.suffix)
+    return [
+        Reorder((*nest.outer, *nest.reduce, nest.pixels, *nest.blocks, nest.lanes)),
+        cache,
+        Vectorize(nest.lanes),
+        Unroll(nest.pixels),
+        *(Unroll(loop) for loop in nest.blocks),
+        *_vector_tile_io(cache, len(producer.shape)),
+    ]
 
 
 # --- templates: the default schedules with their knobs --------------------------------------

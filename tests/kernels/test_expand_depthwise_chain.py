@@ -82,6 +82,8 @@ CASES = {
     "stride2_odd": lambda: expand_depthwise(c=8, m=48, size=(15, 13), stride=2),
     "kernel5": lambda: expand_depthwise(size=(14, 14), kernel=5),
     "wide_rows": lambda: expand_depthwise(c=24, m=144, size=(9, 56)),
+    # MobileNetV2's last stage: rows of 7, which on AVX2 no tile of several blocks divides.
+    "rows_of_seven": lambda: expand_depthwise(c=16, m=48, size=(7, 7)),
     # Rows of a prime width: both convs compute rows padded to a good register tile.
     "prime_width": lambda: expand_depthwise(c=16, m=32, size=(11, 23)),
     # Three rows of 1500 pixels exceed the largest stack tile: tiles of one row, computed in
@@ -179,6 +181,49 @@ def test_on_avx2_a_chain_tile_spans_three_channel_blocks_and_matches_onnxruntime
     feeds = {"x": rand(*shape)}
     module = load(compiler_core.compile(model, target=AVX2))
     assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
+
+
+def test_on_avx2_rows_of_seven_take_three_blocks_of_four_pixels_the_last_tile_overlapping():
+    """No divisor of 7 makes a tile of several blocks (1 pixel x 3 blocks holds 3
+    accumulators): the expand conv takes tiles of 4 pixels, the last one moved back to end at
+    the row's end (pixels 3-6: pixel 3 computed twice), 12 accumulators (Zen 3, MobileNetV2's
+    7x7 chains: 155 -> 130 us against one block of 7 pixels)."""
+    model = CASES["rows_of_seven"]()
+    task = chain_task(model, AVX2)
+    default = task.default_config()
+    assert (default["blocks"], default["expand_tile"]) == (3, 4), default
+    feeds = {"x": rand(1, 16, 7, 7)}
+    module = load(compiler_core.compile(model, target=AVX2))
+    assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label="rows of 7")
+
+
+def test_expand_tiles_are_the_row_divisors_and_tiles_that_overlap_at_most_a_seventh():
+    from compiler_core.kernels.schedules import _expand_tiles
+
+    assert _expand_tiles(7, 12) == (1, 4, 7)
+    # 14 in 4s: 0-3, 4-7, 8-11 and 10-13 (2 pixels again); in 6s 4 again: too many.
+    assert _expand_tiles(14, 12) == (1, 2, 4, 5, 7, 8)
+    assert _expand_tiles(56, 12) == (1, 2, 4, 5, 6, 7, 8, 9, 10, 12)
+
+
+def test_every_expand_tile_of_rows_of_seven_measures_correct():
+    """Each expand tile (the overlapping one among them) with each number of blocks that
+    fits, checked by the measurer against the reference answer."""
+    graph, _ = chained_groups(CASES["rows_of_seven"]())
+    (task,) = extract_tasks(graph)
+    tunable = task.tunable
+    knobs = {knob.name: knob.choices for knob in tunable.knobs}
+    assert 4 in knobs["expand_tile"], knobs
+    default = tunable.default_config()
+    configs = [
+        {**default, "expand_tile": tile, "blocks": blocks}
+        for tile in knobs["expand_tile"]
+        for blocks in knobs["blocks"]
+        if tunable.fits({**default, "expand_tile": tile, "blocks": blocks})
+    ]
+    assert any(c["expand_tile"] == 4 for c in configs), configs
+    errors = measurement_errors(task, configs)
+    assert not errors, errors[:3]
 
 
 def test_with_avx512_a_chain_tile_keeps_one_channel_block():
