@@ -226,6 +226,35 @@ def test_every_expand_tile_of_rows_of_seven_measures_correct():
     assert not errors, errors[:3]
 
 
+@pytest.mark.parametrize("target_text", [AVX2, AVX512])
+def test_overlapping_expand_tiles_compute_what_the_unscheduled_chain_does(target_text):
+    """The loop-IR interpreter runs each overlapping expand tile of a row of 7 (with every
+    number of blocks that fits) against the chain's unscheduled loops, for AVX-512's blocks
+    too, which a host without AVX-512 cannot run natively."""
+    from compiler_core.loop import interpreter
+    from compiler_core.schedule.primitives import apply
+
+    task = chain_task(CASES["rows_of_seven"](), target_text)
+    tunable, lowered = task.tunable, task.lowered_for(None)
+    choices = {knob.name: knob.choices for knob in tunable.knobs}
+    overlapping = [t for t in choices["expand_tile"] if 7 % t]
+    configs = [
+        {**tunable.default_config(), "expand_tile": tile, "blocks": blocks}
+        for tile in overlapping
+        for blocks in choices["blocks"]
+        if tunable.fits({**tunable.default_config(), "expand_tile": tile, "blocks": blocks})
+    ]
+    assert configs, choices
+    args = {b.name: rand(*b.shape) for b in lowered.func.params}
+    expected = {k: v.copy() for k, v in args.items()}
+    interpreter.run(lowered.func, expected)
+    output = lowered.func.params[-1].name
+    for config in configs:
+        got = {k: v.copy() for k, v in args.items()}
+        interpreter.run(apply(lowered.func, task.records(config)), got)
+        np.testing.assert_allclose(got[output], expected[output], rtol=1e-4, atol=1e-5)
+
+
 def test_with_avx512_a_chain_tile_keeps_one_channel_block():
     """AVX-512's FMAs broadcast from memory: one block per tile, the schedule the chain's
     records were measured with before the knob existed."""
