@@ -1124,6 +1124,8 @@ def _pool(kind: str) -> Builder:
             return padded[(n, c, *_window_index(spatial, ks, strides, dilations), *block)]
 
         if kind == "max":
+            if not any(node.outputs[1:]) and _plain_window(x, strides) and kernel[0] > 1:
+                return [_separable_max(ctx, node, padded, out.shape, kernel, strides, dilations)]
             peak = compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))
             if not any(node.outputs[1:]):
                 _note_plain_pool(ctx, peak, padded, x, strides)
@@ -1155,6 +1157,34 @@ def _pool(kind: str) -> Builder:
     return build
 
 
+def _separable_max(ctx, node, padded: Tensor, shape, kernel, strides, dilations) -> Tensor:
+    """A 2-d max pool over plain NCHW as two 1-d ones: the max along each padded input row
+    the pool reads (its taps `strides[1]` apart, one strided vector load each), then down
+    the columns of those row maxima (contiguous loads). A window's kh x kw taps cost kh + kw
+    loads a row of outputs shares with its neighbours instead of kh x kw strided loads (3x3
+    stride 2 over 64 x 112 x 112, Zen 3, `bench.ab` 20 blocks: 0.50 -> 0.28 ms, ORT 0.37)."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+    height = (shape[2] - 1) * sh + (kh - 1) * dh + 1  # the padded rows the pool reads
+    across, down = reduce_axis(kw, "rk1"), reduce_axis(kh, "rk0")
+
+    def along_row(n, c, r, x):
+        return reduce_max(padded[(n, c, r, *_window_index([x], [across], [sw], [dw]))], [across])
+
+    def down_columns(n, c, y, x):
+        return reduce_max(row_max[(n, c, *_window_index([y], [down], [sh], [dh]), x)], [down])
+
+    row_max = compute([*shape[:2], height, shape[3]], along_row, ctx.stage_name(node) + "_rows")
+    peak = compute(shape, down_columns, ctx.stage_name(node))
+    padded_name = "" if padded.is_placeholder else padded.name
+    ctx.note(peak.name, window="plain", padded=padded_name, rows=row_max.name)
+    return peak
+
+
+def _plain_window(x: Tensor, strides) -> bool:
+    """A 2-d window over plain NCHW whose taps along a row load as one vector each."""
+    return len(strides) == 2 and len(x.shape) == 4 and one_vector_load(strides[1], x.dtype)
+
+
 def _note_plain_pool(ctx: KernelContext, pool: Tensor, padded: Tensor, x: Tensor, strides):
     """Mark a pool over the blocked NC[D][H]W[b]c layout for `blocked_pool_schedule`, or a 2-d
     pool over plain NCHW for `plain_window_schedule`, with the stage that pads its input, if
@@ -1165,7 +1195,7 @@ def _note_plain_pool(ctx: KernelContext, pool: Tensor, padded: Tensor, x: Tensor
     padded_name = "" if padded is x else padded.name
     if len(x.shape) == len(strides) + 3:  # NC[D][H]W[b]c: the block is the vector
         ctx.note(pool.name, pool="blocked", padded=padded_name)
-    elif len(strides) == 2 and len(x.shape) == 4 and one_vector_load(strides[1], x.dtype):
+    elif _plain_window(x, strides):
         ctx.note(pool.name, window="plain", padded=padded_name)
 
 

@@ -1101,7 +1101,11 @@ def row_schedule(
 
 
 def plain_window_schedule(
-    window: StageInfo, epilogue: StageInfo | None, padded: StageInfo | None, target: Target
+    window: StageInfo,
+    epilogue: StageInfo | None,
+    padded: StageInfo | None,
+    target: Target,
+    rows: StageInfo | None = None,
 ) -> list[Record]:
     """A window over plain NCHW, one channel plane in, one out (2-d pooling, a depthwise conv):
     a register tile of output pixels along the width (a whole output row when it fits) takes
@@ -1115,7 +1119,10 @@ def plain_window_schedule(
     tile = _output_row_tile(width, target)
     # Scalar: vectorized, ResNet's 3x3 stride-2 stem pool ran 0.068 -> 0.080 ms on Zen 5
     # (a 3x3 average pool at 56 x 56 0.050 -> 0.039).
-    records = _padded_plane(padded, c, target, vectorized=False)
+    records: list[Record] = []
+    if rows is not None:  # a separable max pool's maxima along the rows, a plane at a time
+        records += _row_maxima_plane(rows, c, target)
+    records += _padded_plane(padded, c, target, vectorized=False)
     inner = x
     if tile < width:
         pixels = Split(x, tile)
@@ -1128,6 +1135,27 @@ def plain_window_schedule(
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     return [*records, Parallel(c)]
+
+
+def _row_maxima_plane(rows: StageInfo, channels: str, target: Target) -> list[Record]:
+    """A separable max pool's first pass (`nn._separable_max`) for one channel plane, in the
+    plane's loop (in L1 for the pass down the columns that reads it): each row's maxima held
+    in vectors over the taps along the row, stored once."""
+    at = ComputeAt(rows.name, channels)
+    x = at.moved(rows.loop(3))
+    taps = [name for name, _ in rows.reduce_axes]
+    tile = _output_row_tile(rows.shape[3], target)
+    records: list[Record] = [at]
+    inner = x
+    if tile < rows.shape[3]:
+        pixels = Split(x, tile)
+        records.append(pixels)
+        inner = pixels.inner
+    cache = CacheWrite(rows.name, taps[0])
+    records += [Reorder((*taps, inner)), cache]
+    if tile > 1:
+        records += [Vectorize(inner), *_vector_tile_io(cache, len(rows.shape))]
+    return records
 
 
 def _padded_plane(
@@ -2162,8 +2190,9 @@ def schedule_for(
             epilogue = None  # it also reads another stage: not a single-store epilogue
         if stage.note("window") == "plain":
             padded = _stage_named(stages, stage.note("padded"))
-            records += plain_window_schedule(stage, epilogue, padded, target)
-            handled |= {stage.name, stage.note("padded")}
+            rows = _stage_named(stages, stage.note("rows", ""))
+            records += plain_window_schedule(stage, epilogue, padded, target, rows)
+            handled |= {stage.name, stage.note("padded"), stage.note("rows", "")}
         # The layout pass's blocks: a vector register, or 8 lanes (a ymm register) where the
         # channels allow no more (ShuffleNet's 24-channel stem pool ran 5x slower unscheduled).
         elif stage.note("pool") == "blocked" and stage.shape[-1] in (target.vector_lanes, 8):

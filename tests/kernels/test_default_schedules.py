@@ -13,6 +13,7 @@ from compiler_core.codegen.llvm import build_module
 from compiler_core.codegen.native import emit_object, link_shared
 from compiler_core.frontend.onnx import import_model
 from compiler_core.loop import interpreter
+from compiler_core.loop.printer import format_func
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
 from compiler_core.runtime.library import KernelLibrary
@@ -247,6 +248,28 @@ MODELS = {
         strides=[2, 2],
         pads=[1, 1, 1, 1],
     ),
+    # Separable: the maxima along the rows, then down the columns; a row wider than one
+    # register tile (115 outputs), ceil mode, dilation, stride 1.
+    "maxpool_wide_ceil": lambda: single(
+        "MaxPool",
+        [1, 3, 9, 230],
+        [1, 3, 5, 115],
+        kernel_shape=[3, 3],
+        strides=[2, 2],
+        pads=[1, 1, 0, 0],
+        ceil_mode=1,
+    ),
+    "maxpool_dilated": lambda: single(
+        "MaxPool",
+        [1, 2, 11, 12],
+        [1, 2, 3, 6],
+        kernel_shape=[3, 2],
+        strides=[3, 2],
+        dilations=[2, 1],
+    ),
+    "maxpool_stride1": lambda: single(
+        "MaxPool", [1, 2, 7, 9], [1, 2, 7, 9], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
+    ),
     "avgpool": lambda: single(
         "AveragePool", [1, 4, 8, 8], [1, 4, 4, 4], kernel_shape=[2, 2], strides=[2, 2]
     ),
@@ -398,6 +421,27 @@ def test_pools_of_either_block_get_the_blocked_pool_tile():
         (index, group), *_ = pools
         kernel = build_group(graph, group, index, host_target())
         assert any(type(r).__name__ == "CacheWrite" for r in kernel.schedule), channels
+
+
+def test_a_plain_max_pool_takes_the_maxima_along_rows_a_plane_at_a_time_then_down_columns():
+    """ResNet's stem pool over plain NCHW (3x3, stride 2): the row maxima of a channel plane
+    in a local buffer (computed in the plane's loop, vectorized along the row), then the
+    pool down their columns; 3 + 3 loads a window where the 2-d pool took 9 strided ones."""
+    model = single(
+        "MaxPool",
+        [1, 4, 112, 112],
+        [1, 4, 56, 56],
+        kernel_shape=[3, 3],
+        strides=[2, 2],
+        pads=[1, 1, 1, 1],
+    )
+    graph = optimize(import_model(model))
+    ((index, group),) = list(enumerate(graph.groups))
+    func = build_group(graph, group, index, host_target()).func
+    text = format_func(func)
+    assert "alloc local float32 maxpool" in text and "_rows[1, 1, 113, 56]" in text, text
+    vectorized = [line for line in text.splitlines() if "_rows_i3_at in 0..56 vectorized" in line]
+    assert vectorized, text
 
 
 def test_a_conv_without_taps_shares_each_broadcast_among_three_blocks_where_fmas_load_it():
