@@ -43,6 +43,12 @@ HALF_WIDTH_256 = frozenset({"znver1", "bdver2", "bdver3", "bdver4"})
 # a server core under a client's (seen: KVM's model 167, which LLVM names rocketlake, on a
 # Xeon with 480 MB of L3 and AMX, running 512-bit FMAs at 64 FLOP per cycle).
 SERVER_ONLY_FEATURE = "+amx-tile"
+# Cores whose own prefetchers bring a GEMM's next panels of B in better than the dense
+# template's software prefetches (its `prefetch` knob) do, so that the knob is off by
+# default there. Zen 3, untuned: mlp at batch 64 10-13% faster without them (`bench.ab`, 24
+# blocks), ViT's 197 x 768 x 768 projection 4% alone, encoder4 level; an Emerald Rapids Xeon
+# ran mlp at batch 64 7% faster with them. Zen 1, 2, 4 and 5 are not measured: they keep them.
+NO_PANEL_PREFETCH = frozenset({"znver3"})
 # The host features that change the code LLVM emits for a kernel: the vector ISA (SSE to
 # AVX-512 and AMX, FMA, F16C). The others (protection keys, WBNOINVD, shadow stacks, ...) are
 # ones a hypervisor shows on one VM and hides on the next of the same CPU; keying tuning
@@ -100,6 +106,12 @@ class Target:
             return self.vector_lanes
         full_width = self.cpu in FULL_WIDTH_512 or self._intel_server
         return self.vector_lanes if full_width else 8
+
+    @property
+    def prefetches_panels(self) -> bool:
+        """Whether a GEMM's untuned schedule prefetches its next panels of B (see
+        NO_PANEL_PREFETCH); the tuner measures both ways wherever the knob is offered."""
+        return self.cpu not in NO_PANEL_PREFETCH
 
     @property
     def fma_broadcasts(self) -> bool:

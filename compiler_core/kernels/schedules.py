@@ -867,7 +867,8 @@ def gemm_column_tail(columns: int, nr: int, lanes: int) -> int:
 
 
 def _prefetches_panels(mm: StageInfo) -> bool:
-    """Whether a GEMM is offered the `prefetch` knob (on by default): its next column tile's
+    """Whether a GEMM is offered the `prefetch` knob (on by default but where the target's
+    own prefetchers do better, `Target.prefetches_panels`): its next column tile's
     panel of B brought in while this tile computes. Its B must be constant panels (`weights`),
     with two panel-wide tiles at least (fits: tiles of one whole panel), and it must be
     compute-bound, MIN_INTENSITY FLOPs per byte of B (float32, 2 x rows a value: 32 rows
@@ -922,7 +923,7 @@ def _matmul_knobs(mm: StageInfo, target: Target) -> tuple[Knob, ...]:
         Knob("pack", packs, packs[0]),
     )
     if _prefetches_panels(mm):  # its default nr is then the panel's width
-        knobs += (Knob("prefetch", (0, 1), 1, absent=0),)
+        knobs += (Knob("prefetch", (0, 1), int(target.prefetches_panels), absent=0),)
     if not mm.note("pack_a"):
         return knobs
     blocks = _row_block_choices(mm, target)
