@@ -1113,49 +1113,40 @@ def plain_window_schedule(
     every tap of the window as one vector operation (a depthwise conv's weight broadcast), and
     the epilogue (AveragePool's divide, a bias and activation) runs on it before the single
     store; the padded copy of the input is made one channel plane at a time, while it stays in
-    L1 (its rows in scalar code); parallel over channels."""
-    n, c, y, x = (window.loop(k) for k in range(4))
-    width = window.shape[3]
-    taps = [name for name, _ in window.reduce_axes]
-    tile = _output_row_tile(width, target)
+    L1 (its rows in scalar code); parallel over channels. `rows`: a separable max pool's
+    maxima along the rows, which the window then reads down the columns."""
+    c, x = window.loop(1), window.loop(3)
     # Scalar: vectorized, ResNet's 3x3 stride-2 stem pool ran 0.068 -> 0.080 ms on Zen 5
     # (a 3x3 average pool at 56 x 56 0.050 -> 0.039).
     records: list[Record] = []
     if rows is not None:  # a separable max pool's maxima along the rows, a plane at a time
-        records += _row_maxima_plane(rows, c, target)
+        at = ComputeAt(rows.name, c)
+        records += [at, *_row_register_tile(rows, at.moved(rows.loop(3)), target)]
     records += _padded_plane(padded, c, target, vectorized=False)
-    inner = x
-    if tile < width:
-        pixels = Split(x, tile)
-        records.append(pixels)
-        inner = pixels.inner
-    cache = CacheWrite(window.name, taps[0])
-    records += [Reorder((*taps, inner)), cache]
-    if tile > 1:
-        records += [Vectorize(inner), *_vector_tile_io(cache, len(window.shape))]
+    records += _row_register_tile(window, x, target)
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     return [*records, Parallel(c)]
 
 
-def _row_maxima_plane(rows: StageInfo, channels: str, target: Target) -> list[Record]:
-    """A separable max pool's first pass (`nn._separable_max`) for one channel plane, in the
-    plane's loop (in L1 for the pass down the columns that reads it): each row's maxima held
-    in vectors over the taps along the row, stored once."""
-    at = ComputeAt(rows.name, channels)
-    x = at.moved(rows.loop(3))
-    taps = [name for name, _ in rows.reduce_axes]
-    tile = _output_row_tile(rows.shape[3], target)
-    records: list[Record] = [at]
+def _row_register_tile(stage: StageInfo, x: str, target: Target) -> list[Record]:
+    """A window stage's outputs along its row (`x`, its last axis) in a register tile over
+    all its taps (`_output_row_tile`: the whole row when it fits), vectorized along the row
+    and stored once. For a separable max pool's first pass (`nn._separable_max`), computed
+    in the channel plane's loop, its row maxima stay in L1 for the pass down the columns."""
+    width = stage.shape[-1]
+    taps = [name for name, _ in stage.reduce_axes]
+    tile = _output_row_tile(width, target)
+    records: list[Record] = []
     inner = x
-    if tile < rows.shape[3]:
+    if tile < width:
         pixels = Split(x, tile)
         records.append(pixels)
         inner = pixels.inner
-    cache = CacheWrite(rows.name, taps[0])
+    cache = CacheWrite(stage.name, taps[0])
     records += [Reorder((*taps, inner)), cache]
     if tile > 1:
-        records += [Vectorize(inner), *_vector_tile_io(cache, len(rows.shape))]
+        records += [Vectorize(inner), *_vector_tile_io(cache, len(stage.shape))]
     return records
 
 
