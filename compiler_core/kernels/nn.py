@@ -85,6 +85,10 @@ def _input_channel(o, c, group: int, per_group_out: int, per_group_in: int):
     return (first if per_group_in == 1 else first * Const(per_group_in, INDEX)) + c
 
 
+def _same_index(*index):
+    return index
+
+
 def _window_index(i, ks, strides, dilations):
     return tuple(
         o * Const(s, INDEX) + k * Const(d, INDEX)
@@ -175,15 +179,10 @@ def _conv(ctx: KernelContext, node: Node):
         # (a crop inside the groups gathers channels: it is no epilogue of the conv's tiles)
         ctx.note(conv.name, real_shape=tuple(out.shape))
     if accumulate != out.dtype:
-        wide = conv
-        conv = compute(
-            out.shape, lambda *i: Cast(out.dtype, wide[computed(*i)]), ctx.stage_name(node)
-        )
-        shape = out.shape  # cropped by the cast: the stages after it read real channels
-
-        def computed(*index):
-            return index
-
+        wide, real = conv, computed
+        conv = compute(out.shape, lambda *i: Cast(out.dtype, wide[real(*i)]), ctx.stage_name(node))
+        # Cropped by the cast: the stages after it read its real channels as they are.
+        shape, computed = out.shape, _same_index
     if not has_bias:
         if shape == tuple(out.shape):
             return [conv]
@@ -1125,7 +1124,7 @@ def _pool(kind: str) -> Builder:
 
         if kind == "max":
             if not any(node.outputs[1:]) and _plain_window(x, strides) and kernel[0] > 1:
-                return [_separable_max(ctx, node, padded, out.shape, kernel, strides, dilations)]
+                return [_separable_max(ctx, node, x, padded, kernel, strides, dilations)]
             peak = compute(out.shape, lambda *i: reduce_max(window(*i), ks), ctx.stage_name(node))
             if not any(node.outputs[1:]):
                 _note_plain_pool(ctx, peak, padded, x, strides)
@@ -1157,12 +1156,13 @@ def _pool(kind: str) -> Builder:
     return build
 
 
-def _separable_max(ctx, node, padded: Tensor, shape, kernel, strides, dilations) -> Tensor:
+def _separable_max(ctx, node, x: Tensor, padded: Tensor, kernel, strides, dilations) -> Tensor:
     """A 2-d max pool over plain NCHW as two 1-d ones: the max along each padded input row
     the pool reads (its taps `strides[1]` apart, one strided vector load each), then down
     the columns of those row maxima (contiguous loads). A window's kh x kw taps cost kh + kw
     loads a row of outputs shares with its neighbours instead of kh x kw strided loads (3x3
     stride 2 over 64 x 112 x 112, Zen 3, `bench.ab` 20 blocks: 0.50 -> 0.28 ms, ORT 0.37)."""
+    shape = ctx.type(node.outputs[0]).shape
     (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
     height = (shape[2] - 1) * sh + (kh - 1) * dh + 1  # the padded rows the pool reads
     across, down = reduce_axis(kw, "rk1"), reduce_axis(kh, "rk0")
@@ -1175,7 +1175,7 @@ def _separable_max(ctx, node, padded: Tensor, shape, kernel, strides, dilations)
 
     row_max = compute([*shape[:2], height, shape[3]], along_row, ctx.stage_name(node) + "_rows")
     peak = compute(shape, down_columns, ctx.stage_name(node))
-    padded_name = "" if padded.is_placeholder else padded.name
+    padded_name = "" if padded is x else padded.name
     ctx.note(peak.name, window="plain", padded=padded_name, rows=row_max.name)
     return peak
 
