@@ -1544,15 +1544,9 @@ def _expand_tiles(width: int, most: int) -> tuple[int, ...]:
     overlapping = [
         t
         for t in range(CHAIN_LEAST_TILE, min(most, width) + 1)
-        if width % t and 7 * (_overlap_pixels(width, t) - width) <= width
+        if width % t and 7 * ((width // t + 1) * t - width) <= width  # pixels done twice
     ]
     return tuple(sorted({*divisors, *overlapping}))
-
-
-def _overlap_pixels(width: int, tile: int) -> int:
-    """Pixels a row's tiles compute, its last tile overlapping the one before where `tile`
-    does not divide `width`."""
-    return width if width % tile == 0 else (width // tile + 1) * tile
 
 
 def _expand_tile_of(dw: StageInfo, blocks: int, target: Target) -> int:
