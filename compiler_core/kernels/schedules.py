@@ -1451,7 +1451,10 @@ def _row_knobs(out: StageInfo, target: Target) -> tuple[Knob, ...]:
 
 # A chained group's tile of expanded rows (a stack buffer of the thread that computes it): the
 # default tile holds at most CHAIN_TILE_BYTES (L2-resident on every x86 core we target, beside
-# the rows of input it reads), a tuned one at most CHAIN_MAX_TILE_BYTES.
+# the rows of input it reads), a tuned one at most CHAIN_MAX_TILE_BYTES. Cores with full-width
+# 512-bit FMAs (Zen 5, the Xeons) have 1-2 MB of L2 a core and default to the larger budget:
+# their default tiles span several channel blocks (`_default_chain_blocks`), which at 128 KB
+# get too few rows (see there).
 CHAIN_TILE_BYTES = 128 * 1024
 CHAIN_MAX_TILE_BYTES = 256 * 1024
 
@@ -1493,9 +1496,10 @@ def _chain_knobs(dw: StageInfo, target: Target) -> tuple[Knob, ...]:
     expand_most = _expand_most(dw, target)
     blocks_choices = _chain_block_choices(dw, expand_most)
     blocks = _default_chain_blocks(dw, blocks_choices, rows[0], target)
-    # The default: the tallest tile that fits CHAIN_TILE_BYTES and leaves two tiles of work
+    # The default: the tallest tile that fits the default budget and leaves two tiles of work
     # per core (groups of channel blocks x tiles of rows), else the tallest that fits.
-    fitting = [r for r in rows if blocks * chain_tile_bytes(dw, r) <= CHAIN_TILE_BYTES]
+    budget = _default_chain_bytes(target)
+    fitting = [r for r in rows if blocks * chain_tile_bytes(dw, r) <= budget]
     fitting = fitting or [rows[0]]
     busy = [r for r in fitting if dw.shape[1] // blocks * (height // r) >= 2 * target.cores]
     # Default register tiles, read off MobileNetV2's measured spaces (Zen 4, every config of
@@ -1575,21 +1579,42 @@ def _chain_on_stack(dw: StageInfo, rows: int, blocks: int) -> bool:
     return blocks * chain_tile_bytes(dw, rows) <= CHAIN_MAX_TILE_BYTES
 
 
+def _default_chain_bytes(target: Target) -> int:
+    """The default chain tile's budget (see CHAIN_TILE_BYTES)."""
+    return CHAIN_MAX_TILE_BYTES if _full_width_512(target) else CHAIN_TILE_BYTES
+
+
+def _full_width_512(target: Target) -> bool:
+    """AVX-512 at the full rate: zmm FMAs not split in two halves (Zen 4 splits them)."""
+    return not target.is_gpu and target.vector_lanes == 16 and target.fma_lanes == 16
+
+
 def _default_chain_blocks(
     dw: StageInfo, choices: tuple[int, ...], rows: int, target: Target
 ) -> int:
-    """One block where the FMAs take their broadcast input from memory (AVX-512); else
-    (AVX2) three blocks when they divide the channels, else two, so that each broadcast
-    input of the expand conv feeds several FMAs (as `_triple_tile`), when such a tile fits
-    the accumulators and its rows fit CHAIN_TILE_BYTES. Measured on Zen 1 over MobileNetV2's
+    """One block on Zen 4, whose FMAs take their broadcast input from memory (AVX-512) at
+    half a zmm's rate; else three blocks when they divide the channels, else two, so that
+    each broadcast input of the expand conv feeds several FMAs (as `_triple_tile`), when such
+    a tile fits the accumulators and its rows fit the default budget
+    (`_default_chain_bytes`).
+
+    Full-width AVX-512 (Zen 5, and the Xeons, whose tuning logs all picked two or three
+    blocks for MobileNetV2's chains): one block at 128 KB -> three at 256 KB, Zen 5, us,
+    MobileNetV2's nine chains: 7x7 41.9 -> 33.7 and 57.2 -> 45.3, 14x14 62.1 -> 49.4, 30.1 ->
+    24.4 and 29.0 -> 23.0, 28x28 89.4 -> 73.4 and 34.6 -> 29.1, 56x56 149.5 -> 122.5 and 107.8
+    -> 99.0; over the model's chains 872 -> 719 (the tuned configs 715). At 128 KB five of
+    the nine took fewer rows with three blocks (2 / 8 / 4 / 14 / 7 against 4 / 14 / 7 / 28 /
+    14) and ran 6-27% slower.
+
+    AVX2, measured on Zen 1 over MobileNetV2's
     eleven chains (one block -> three, us): 14x14 and 7x7 rows 413 -> 348, 199 -> 171,
     365 -> 303, 182 -> 153; 28x28 229 -> 200, 428 -> 372; 56x56 869 -> 812, 571 -> 527 (two
     blocks 517); four blocks within 3% of three; 7-pixel rows keep one block (a tile of one
     pixel holds too few accumulators); the model untuned 0.960 of one block."""
-    if target.fma_broadcasts:
+    if target.fma_broadcasts and not _full_width_512(target):
         return 1
     for blocks in (3, 2):
-        fits = blocks * chain_tile_bytes(dw, rows) <= CHAIN_TILE_BYTES
+        fits = blocks * chain_tile_bytes(dw, rows) <= _default_chain_bytes(target)
         if blocks in choices and fits and _expand_tile_of(dw, blocks, target):
             return blocks
     return 1
