@@ -153,7 +153,7 @@ def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
         return None
     form = affine(e.a)
     if form is None or any(name not in ranges for name in form[0]):
-        return None
+        return _divmod_by_common_factor(e, ranges)
     divisor = e.b.value
     coeffs, constant = form
     quotient = {v: c // divisor for v, c in coeffs.items() if c % divisor == 0}
@@ -165,6 +165,9 @@ def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
         if e.op == "floordiv":
             return canonical({v: c for v, c in quotient.items() if c}, q0)
         return canonical(rest, r0)
+    common = _divmod_by_common_factor(e, ranges)
+    if common is not None:
+        return common
     if not quotient and q0 == 0:
         return None
     # Floor division and modulo ignore whole multiples of the divisor whatever the sign:
@@ -174,6 +177,44 @@ def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
     if e.op == "mod":
         return remainder
     return Binary("add", canonical({v: c for v, c in quotient.items() if c}, q0), remainder)
+
+
+def _divmod_by_common_factor(e: Binary, ranges: Mapping[str, int]) -> Expr | None:
+    """(g*A + B) // d -> A // (d/g) and (g*A + B) % d -> g*(A % (d/g)) + B when g divides d
+    and 0 <= B < g for every loop value, A any index expression (a fused loop's floordiv, say):
+    a vector lane B beside a block index A, where d/g blocks make a group. Without it a
+    grouped conv's input channel, (lane + 16*block) // 80 * 68 + c, moves with the lane as far
+    as codegen can tell, and every lane loads on its own (ShuffleNet's groups of 68 channels,
+    padded to 80: 16 loads and inserts where one broadcast does)."""
+    divisor = int(e.b.value)
+    terms, constant = _terms(e.a)
+    for factor in range(divisor // 2, 1, -1):
+        if divisor % factor:
+            continue
+        whole = {t: c // factor for t, c in terms.items() if c % factor == 0}
+        lane = {t: c for t, c in terms.items() if c % factor}
+        if not whole or not all(isinstance(t, Var) and t.name in ranges for t in lane):
+            continue
+        lane_constant = constant % factor
+        low = lane_constant + sum(min(0, c * (ranges[t.name] - 1)) for t, c in lane.items())
+        high = lane_constant + sum(max(0, c * (ranges[t.name] - 1)) for t, c in lane.items())
+        if low < 0 or high >= factor:
+            continue
+        blocks = _sum_of_terms(whole, constant // factor)
+        groups = Const(divisor // factor, INDEX)
+        if e.op == "floordiv":
+            return Binary("floordiv", blocks, groups)
+        rest = canonical({t.name: c for t, c in lane.items()}, lane_constant)
+        scaled = Binary("mul", Binary("mod", blocks, groups), Const(factor, INDEX))
+        return Binary("add", scaled, rest)
+    return None
+
+
+def _sum_of_terms(terms: Mapping[Expr, int], constant: int) -> Expr:
+    result: Expr = Const(constant, INDEX)
+    for t, c in terms.items():
+        result = Binary("add", result, t if c == 1 else Binary("mul", t, Const(c, INDEX)))
+    return result
 
 
 def value_range(e: Expr, ranges: Mapping[str, int]) -> tuple[int, int] | None:

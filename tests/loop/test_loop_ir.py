@@ -135,6 +135,56 @@ def test_floordiv_and_mod_resolve_when_ranges_allow():
     assert simplify_expr(wide, {"o": 8, "i": 33}) != o
 
 
+@pytest.mark.parametrize("op", ["floordiv", "mod"])
+@pytest.mark.parametrize("offset", [0, 3, 16])
+def test_a_lane_beside_a_block_index_drops_out_of_a_group_division(op, offset):
+    """(lane + 16 * (f // 14) + offset) // 80: a grouped conv's input channel group, read in
+    16-lane blocks of groups padded to 80 channels. The lane stays below the common factor 16,
+    so the quotient is the block's group, (f // 14 + offset // 16) // 5, the same for every
+    lane; a remainder keeps the lane. Checked against direct evaluation over every value."""
+    from compiler_core.loop.ir import Binary
+    from compiler_core.loop.transform import mentions
+
+    lane, f = Var("lane"), Var("f")
+    block = Binary("floordiv", f, Const(14, INDEX))
+    index = Binary(op, lane + block * 16 + Const(offset, INDEX), Const(80, INDEX))
+    ranges = {"lane": 16, "f": 280}
+    simplified = simplify_expr(index, ranges)
+    assert mentions(simplified, "lane") is (op == "mod" or offset % 16 != 0)
+    for f_value in range(280):
+        for lane_value in range(16):
+            values = {"lane": lane_value, "f": f_value}
+            assert _evaluate(simplified, values) == _evaluate(index, values)
+
+
+def test_a_group_division_keeps_the_lane_where_it_may_cross_a_group():
+    from compiler_core.loop.ir import Binary
+    from compiler_core.loop.transform import mentions
+
+    lane, f = Var("lane"), Var("f")
+    # 16 lanes of blocks of 8: a vector spans two blocks, which may lie in two groups.
+    index = Binary("floordiv", lane + Binary("floordiv", f, Const(14, INDEX)) * 8, Const(72, INDEX))
+    assert mentions(simplify_expr(index, {"lane": 16, "f": 504}), "lane")
+
+
+def _evaluate(e, values):
+    from compiler_core.loop.ir import Binary
+
+    if isinstance(e, Const):
+        return int(e.value)
+    if isinstance(e, Var):
+        return values[e.name]
+    assert isinstance(e, Binary), e
+    a, b = _evaluate(e.a, values), _evaluate(e.b, values)
+    return {
+        "add": a + b,
+        "sub": a - b,
+        "mul": a * b,
+        "floordiv": a // b if b else None,
+        "mod": a % b if b else None,
+    }[e.op]
+
+
 def test_loop_ranges_decide_clamps_and_comparisons():
     from compiler_core.loop.ir import Binary
 
