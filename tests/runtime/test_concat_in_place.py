@@ -14,7 +14,7 @@ from compiler_core.frontend.onnx import import_model
 from compiler_core.loop.ir import Block
 from compiler_core.passes.pipeline import optimize
 from compiler_core.runtime import load
-from compiler_core.target import host_target
+from compiler_core.target import parse_target
 from tests.conftest import FLOAT, assert_close_to_scale, make_model
 from tests.kernels.test_conv_family import rand
 
@@ -58,8 +58,15 @@ def does_nothing(kernel) -> bool:
     return isinstance(kernel.func.body, Block) and not kernel.func.body.stmts
 
 
-def joins(model):
-    graph = optimize(import_model(model), target=host_target())
+# The joins' structure depends on the channel blocks the layout pass picks, so the tests that
+# read it name their target (AVX2: blocks of 8); each model also runs on the host, whatever it
+# picks there, against ONNX Runtime.
+AVX2 = parse_target("llvm -mcpu=znver3")
+AVX512 = parse_target("llvm -mcpu=znver5 -mattr=+avx2,+fma,+avx512f")
+
+
+def joins(model, target=AVX2):
+    graph = optimize(import_model(model), target=target)
     return graph, concat_aliases(graph)
 
 
@@ -75,7 +82,7 @@ def matches_onnxruntime(model):
 def test_joins_in_place_match_onnxruntime(model):
     graph, aliases = joins(model())
     assert aliases  # something was joined in place
-    kernels = build_kernels(graph, host_target())
+    kernels = build_kernels(graph, AVX2)
     memory = plan_memory(graph, kernels)
     for value, (host, start) in aliases.items():
         assert memory.offsets[value] == memory.offsets[host] + start
@@ -86,7 +93,7 @@ def test_nested_joins_live_in_the_outermost_and_their_kernels_do_nothing():
     graph, aliases = joins(dense_block(layers=4))
     hosts = {host for host, _ in aliases.values()}
     assert len(hosts) == 1  # every later layer's features inside the last join
-    kernels = build_kernels(graph, host_target())
+    kernels = build_kernels(graph, AVX2)
     joined = hosts | set(aliases)
     elided = [k for k in kernels if set(k.outputs) & joined and does_nothing(k)]
     assert len(elided) == 3  # the first join is fused with its operand's layout transform
@@ -118,6 +125,16 @@ def test_an_operand_that_is_a_graph_input_is_copied():
     first_join = next(n for n in graph.nodes if n.op == "Concat")
     assert not set(first_join.inputs) & set(aliases)
     assert {"g1_nchw8c", "g2_nchw8c"} <= set(aliases)
+
+
+def test_with_avx512_blocks_a_dense_block_joins_in_place_and_mixed_blocks_copy():
+    """Blocks of 16 channels: DenseNet's 16-channel growth joins in place as with blocks of 8;
+    Inception's branches of 8 and 24 channels end mid-block, so the branches are unblocked and
+    joined in the plain layout, by a copy."""
+    _, aliases = joins(dense_block(layers=3), AVX512)
+    assert {"g1_nchw16c", "g2_nchw16c"} <= set(aliases)
+    _, aliases = joins(inception_join(), AVX512)
+    assert not aliases
 
 
 def test_an_operand_that_is_a_graph_output_is_copied():
