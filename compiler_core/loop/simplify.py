@@ -8,6 +8,7 @@ needs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from compiler_core.loop.ir import (
@@ -188,9 +189,9 @@ def _divmod_by_common_factor(e: Binary, ranges: Mapping[str, int]) -> Expr | Non
     padded to 80: 16 loads and inserts where one broadcast does)."""
     divisor = int(e.b.value)
     terms, constant = _terms(e.a)
-    for factor in range(divisor // 2, 1, -1):
-        if divisor % factor:
-            continue
+    # A term without a range must lie in A: the factor divides its coefficient.
+    unbounded = [c for t, c in terms.items() if not (isinstance(t, Var) and t.name in ranges)]
+    for factor in _divisors_descending(math.gcd(divisor, *unbounded)):
         whole = {t: c // factor for t, c in terms.items() if c % factor == 0}
         lane = {t: c for t, c in terms.items() if c % factor}
         if not whole or not all(isinstance(t, Var) and t.name in ranges for t in lane):
@@ -210,10 +211,20 @@ def _divmod_by_common_factor(e: Binary, ranges: Mapping[str, int]) -> Expr | Non
     return None
 
 
+def _divisors_descending(n: int) -> list[int]:
+    """The divisors of n above 1, largest first."""
+    small = [k for k in range(2, math.isqrt(n) + 1) if n % k == 0]
+    return sorted({n, *small, *(n // k for k in small)} - {1}, reverse=True)
+
+
 def _sum_of_terms(terms: Mapping[Expr, int], constant: int) -> Expr:
-    result: Expr = Const(constant, INDEX)
-    for t, c in terms.items():
-        result = Binary("add", result, t if c == 1 else Binary("mul", t, Const(c, INDEX)))
+    """sum(c_t * t) + constant, the constant left out when it is 0."""
+    parts = [t if c == 1 else Binary("mul", t, Const(c, INDEX)) for t, c in terms.items()]
+    if constant or not parts:
+        parts.append(Const(constant, INDEX))
+    result = parts[0]
+    for part in parts[1:]:
+        result = Binary("add", result, part)
     return result
 
 

@@ -157,6 +157,20 @@ def test_a_lane_beside_a_block_index_drops_out_of_a_group_division(op, offset):
             assert _evaluate(simplified, values) == _evaluate(index, values)
 
 
+def test_a_lane_beside_a_block_loop_drops_out_too():
+    """The block index a loop variable of its own (affine, but its range no help): the same."""
+    from compiler_core.loop.ir import Binary
+    from compiler_core.loop.transform import mentions
+
+    lane, block = Var("lane"), Var("block")
+    index = Binary("floordiv", lane + block * 16, Const(80, INDEX))
+    ranges = {"lane": 16, "block": 20}
+    simplified = simplify_expr(index, ranges)
+    assert not mentions(simplified, "lane")
+    for values in ({"lane": k % 16, "block": k // 16} for k in range(320)):
+        assert _evaluate(simplified, values) == _evaluate(index, values)
+
+
 def test_a_group_division_keeps_the_lane_where_it_may_cross_a_group():
     from compiler_core.loop.ir import Binary
     from compiler_core.loop.transform import mentions
