@@ -46,9 +46,11 @@ SERVER_ONLY_FEATURE = "+amx-tile"
 # Cores whose own prefetchers bring a GEMM's next panels of B in better than the dense
 # template's software prefetches (its `prefetch` knob) do, so that the knob is off by
 # default there. Zen 3, untuned: mlp at batch 64 10-13% faster without them (`bench.ab`, 24
-# blocks), ViT's 197 x 768 x 768 projection 4% alone, encoder4 level; an Emerald Rapids Xeon
-# ran mlp at batch 64 7% faster with them. Zen 1, 2, 4 and 5 are not measured: they keep them.
-NO_PANEL_PREFETCH = frozenset({"znver3"})
+# blocks), ViT's 197 x 768 x 768 projection 4% alone, encoder4 level; Zen 5, untuned: mlp at
+# batch 64 1-5% faster without them (`bench.ab`, 24-30 blocks; back to back 6-14%), encoder4
+# and the 1024^3 / 2048^3 GEMMs level; an Emerald Rapids Xeon ran mlp at batch 64 7% faster
+# with them. Zen 1, 2 and 4 are not measured: they keep them.
+NO_PANEL_PREFETCH = frozenset({"znver3", "znver5"})
 # The host features that change the code LLVM emits for a kernel: the vector ISA (SSE to
 # AVX-512 and AMX, FMA, F16C). The others (protection keys, WBNOINVD, shadow stacks, ...) are
 # ones a hypervisor shows on one VM and hides on the next of the same CPU; keying tuning
