@@ -272,8 +272,8 @@ def test_on_zen4_a_chain_tile_keeps_one_channel_block_within_the_smaller_budget(
 
 @pytest.mark.parametrize("cpu", ["znver5", "cascadelake"])
 def test_with_full_width_avx512_a_chain_tile_spans_three_blocks_of_taller_rows(cpu):
-    """Full-width zmm FMAs (Zen 5, the Xeons): three blocks a tile, as every such machine's
-    tuning log picked for MobileNetV2's chains, and rows up to CHAIN_MAX_TILE_BYTES: at
+    """Full-width zmm FMAs (Zen 5, the Xeons): three blocks a tile (every such machine's
+    tuning log picked two or three for MobileNetV2's chains), rows up to CHAIN_MAX_TILE_BYTES: at
     CHAIN_TILE_BYTES three blocks of this 56x56 chain (MobileNetV2's features.3) would get 8
     rows, and 14 ran 10% faster on Zen 5."""
     from compiler_core.kernels.schedules import (
