@@ -138,11 +138,7 @@ def _joined_divmod(e: Expr) -> Expr | None:
         joined = True
     if not joined:
         return None
-    result: Expr = Const(constant, INDEX)
-    for t, c in terms.items():
-        if c:
-            result = Binary("add", result, t if c == 1 else Binary("mul", t, Const(c, INDEX)))
-    return map_expr(result, _simplify_node)
+    return map_expr(_sum_of_terms(terms, constant), _simplify_node)
 
 
 def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
@@ -192,9 +188,10 @@ def _divmod_by_common_factor(e: Binary, ranges: Mapping[str, int]) -> Expr | Non
     # A term without a range must lie in A: the factor divides its coefficient.
     unbounded = [c for t, c in terms.items() if not (isinstance(t, Var) and t.name in ranges)]
     for factor in _divisors_descending(math.gcd(divisor, *unbounded)):
+        # The terms left over are loop variables: the factor divides every other coefficient.
         whole = {t: c // factor for t, c in terms.items() if c % factor == 0}
         lane = {t: c for t, c in terms.items() if c % factor}
-        if not whole or not all(isinstance(t, Var) and t.name in ranges for t in lane):
+        if not whole:
             continue
         lane_constant = constant % factor
         low = lane_constant + sum(min(0, c * (ranges[t.name] - 1)) for t, c in lane.items())
@@ -218,8 +215,8 @@ def _divisors_descending(n: int) -> list[int]:
 
 
 def _sum_of_terms(terms: Mapping[Expr, int], constant: int) -> Expr:
-    """sum(c_t * t) + constant, the constant left out when it is 0."""
-    parts = [t if c == 1 else Binary("mul", t, Const(c, INDEX)) for t, c in terms.items()]
+    """sum(c_t * t) + constant, terms of coefficient 0 and a constant of 0 left out."""
+    parts = [t if c == 1 else Binary("mul", t, Const(c, INDEX)) for t, c in terms.items() if c]
     if constant or not parts:
         parts.append(Const(constant, INDEX))
     result = parts[0]
