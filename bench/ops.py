@@ -392,6 +392,16 @@ CASES: dict[str, Case] = {
             description="last axis",
         ),
         layer_norm("layernorm", [197, 768], description="ViT token rows"),
+        unary(
+            "gelu",
+            "elementwise",
+            "Gelu",
+            [197, 3072],
+            opset=20,
+            description="ViT MLP hidden, erf form",
+        ),
+        unary("sigmoid", "elementwise", "Sigmoid", [1, 64, 112, 112], description="SiLU's gate"),
+        unary("tanh", "elementwise", "Tanh", [64, 4096], description="GPT-2 GELU's inner tanh"),
         reduce_mean("reducemean_hw", [1, 512, 28, 28], (2, 3), description="over H, W"),
         unary(
             "avgpool_3x3s1",

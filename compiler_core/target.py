@@ -123,6 +123,12 @@ class Target:
         return self.is_gpu or "+avx512f" in self.features.split(",")
 
     @property
+    def scales_exponents(self) -> bool:
+        """Whether x * 2^n on float32 vectors is one instruction (AVX-512's vscalefps, which
+        `llvm.ldexp` lowers to); without it LLVM calls ldexpf lane by lane."""
+        return not self.is_gpu and "+avx512f" in self.features.split(",")
+
+    @property
     def _intel_server(self) -> bool:
         return SERVER_ONLY_FEATURE in self.features.split(",")
 

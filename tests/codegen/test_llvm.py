@@ -41,7 +41,7 @@ from compiler_core.schedule.primitives import (
     Vectorize,
     apply,
 )
-from compiler_core.target import host_target
+from compiler_core.target import host_target, parse_target
 from tests.loop.test_schedule import BASE, _random_schedule
 
 TARGET = host_target()
@@ -170,6 +170,43 @@ def test_vector_loop_emits_512_bit_fma_on_avx512_hosts():
     )
     assembly = emit_assembly(build_module([scheduled], TARGET), TARGET)
     assert "vfmadd" in assembly
+
+
+def exp_kernel(size: int, lanes: int) -> PrimFunc:
+    x = te.placeholder((size,), "float32", "x")
+    out = te.compute((size,), lambda i: Unary("exp", x[i]), "out")
+    func = te.lower([x], [out], "vector_exp")
+    return apply(func, [Split("out_i0", lanes), Vectorize("out_i0_i")])
+
+
+def test_vector_exp_is_within_four_ulps_from_flt_min_to_flt_max(tmp_path):
+    """The inline exp (the host's form: vscalefps with AVX-512, a bit-built 2^n without)
+    against float64, over every float32 exponent it returns a normal number for."""
+    whole = np.linspace(-87.33, 88.72, 1 << 20, dtype=np.float32)
+    near_zero = np.linspace(-1.0, 1.0, 1 << 16, dtype=np.float32)
+    x = np.concatenate([whole, near_zero, np.float32([0.0, -0.0, 88.7228, -87.3365])])
+    x = np.resize(x, -(-x.size // 16) * 16)
+    library = compile_funcs([exp_kernel(x.size, TARGET.vector_lanes)], tmp_path)
+    y = np.empty_like(x)
+    library.call("vector_exp", [x, y])
+    expected = np.exp(x.astype(np.float64))
+    ulps = np.abs(y - expected) / np.spacing(expected.astype(np.float32))
+    assert ulps.max() <= 4, x[ulps.argmax()]
+    assert np.all(y[x == 0] == 1.0)
+
+
+@pytest.mark.parametrize(
+    ("features", "scales"), [("+avx2,+fma,+avx512f", True), ("+avx2,+fma", False)]
+)
+def test_vector_exp_scales_by_2_to_the_n_in_one_instruction_on_avx512(features, scales):
+    """With AVX-512, 2^n is applied by vscalefps (`llvm.ldexp`); without it, by building the
+    exponent's bits (LLVM would call libm's ldexpf for every lane). Neither calls out."""
+    target = parse_target(f"llvm -mattr={features}")
+    assert target.scales_exponents is scales
+    func = exp_kernel(64, target.vector_lanes)
+    assembly = emit_assembly(build_module([func], target), target)
+    assert ("vscalefps" in assembly) is scales
+    assert "call" not in assembly
 
 
 def test_bfloat16_rounds_to_nearest_even_when_stored(tmp_path):

@@ -65,9 +65,10 @@ def feeds_for(graph, masked_row=None, lengths=None):
     return feeds
 
 
-def assert_decomposed_same(model, masked_row=None, rtol=1e-4, lengths=None):
+def assert_decomposed_same(model, masked_row=None, rtol=1e-4, lengths=None, atol=None):
     """Decomposed, the reference executor computes every output as before, and so does the
     compiled module; the expected "y"."""
+    atol = rtol / 10 if atol is None else atol
     before = import_model(model)
     after = decompose_attention.run(before)
     verify(after)
@@ -79,9 +80,9 @@ def assert_decomposed_same(model, masked_row=None, rtol=1e-4, lengths=None):
     for name, value in expected.items():
         value = value.astype(np.float32)
         np.testing.assert_allclose(decomposed[name].astype(np.float32), value, rtol=rtol,
-                                   atol=rtol / 10)  # fmt: skip
+                                   atol=atol)  # fmt: skip
         np.testing.assert_allclose(native[name].astype(np.float32), value, rtol=rtol,
-                                   atol=rtol / 10)  # fmt: skip
+                                   atol=atol)  # fmt: skip
     return after, expected["y"]
 
 
@@ -208,7 +209,10 @@ def test_each_qk_matmul_output_mode_exposes_its_stage(mode, dtype):
         [1, 2, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8], mask=[4, 6], outputs=("y", "", "", "qk"),
         dtype=dtype, softcap=3.0, is_causal=1, qk_matmul_output_mode=mode,
     )  # fmt: skip
-    assert_decomposed_same(model, rtol=1e-4 if dtype == FLOAT else 5e-3)
+    # In float16 the scores and probabilities near 1 move in steps of 1e-3 (an ulp); an output
+    # near 0 summed from them moves by a step when one of them rounds the other way.
+    half = dtype == TensorProto.FLOAT16
+    assert_decomposed_same(model, rtol=5e-3 if half else 1e-4, atol=2e-3 if half else None)
 
 
 @pytest.mark.parametrize("precision", [TensorProto.DOUBLE, TensorProto.FLOAT16])
