@@ -972,12 +972,22 @@ class FunctionEmitter:
         poly = c(EXP_MINIMAX[-1])
         for coefficient in (*EXP_MINIMAX[-2::-1], 1.0):
             poly = b.fadd(b.fmul(poly, r, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
+        return b.select(underflow, c(0.0), self._scale_by_power_of_2(b, poly, n))
+
+    def _scale_by_power_of_2(self, b, x, n):
+        """x 2^n for a whole float n. A zmm vector takes vscalefps's own intrinsic, which
+        reads n as a float; `llvm.ldexp` (any width) wants it as an int, and LLVM then
+        converts it there and back (two more instructions a vector)."""
+        if x.type.count == 16:
+            scalef = self._declare(
+                "llvm.x86.avx512.mask.scalef.ps.512", x.type, [x.type] * 3 + [ir.IntType(16), I32]
+            )
+            return b.call(scalef, [x, n, x, ir.IntType(16)(-1), I32(4)])  # 4: MXCSR rounding
         int_type = ir.VectorType(I32, x.type.count)
         name = f"llvm.ldexp.{_suffix(x.type)}.{_suffix(int_type)}"
         ldexp = self._declare(name, x.type, [x.type, int_type])
         # n is whole and within +-2^31 (x is clamped above; far below, the select drops it).
-        result = b.call(ldexp, [poly, b.fptosi(n, int_type)])
-        return b.select(underflow, c(0.0), result)
+        return b.call(ldexp, [x, b.fptosi(n, int_type)])
 
     def _exp_remainder(self, b, x, n):
         """x - n ln2 in two parts (Cody-Waite), each an FMA: exact for the n that occur."""

@@ -230,8 +230,9 @@ def test_bfloat16_is_computed_in_float32_and_cast_back():
     model = attention_model(
         [1, 4, 4, 8], [1, 2, 6, 8], [1, 2, 6, 8], dtype=TensorProto.BFLOAT16, is_causal=1
     )
-    # The reference rounds each step to bfloat16 (8 bits of mantissa): a step or two apart.
-    after, _ = assert_decomposed_same(model, rtol=3e-2)
+    # The reference rounds each step to bfloat16 (8 bits of mantissa): a step or two apart,
+    # and an output near 0 summed from values near 1 one such step (7.8e-3) off.
+    after, _ = assert_decomposed_same(model, rtol=3e-2, atol=1e-2)
     softmax = next(n for n in after.nodes if n.op == "Softmax")
     assert after.types[softmax.outputs[0]].dtype == "float32"
 
