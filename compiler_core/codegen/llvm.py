@@ -103,11 +103,15 @@ SCALAR_TYPES = {
     "bfloat16": ir.IntType(16),  # in memory; float32 rounded to bfloat16 in registers
 }
 FAST_MATH = ("contract",)
-# ln(FLT_MIN): the fast exp returns 0 below it (see FunctionEmitter._fast_exp).
+# ln(FLT_MIN): the fast exp returns 0 below it (its bit-built form from -86.99: see
+# FunctionEmitter._bit_built_exp).
 EXP_FLUSH_BELOW = -87.33654475
 # Just past ln(FLT_MAX) (88.7228): the fast exp of anything at or above it overflows to inf.
 EXP_CLAMP_ABOVE = 88.75
 LOG2_E = 1.4426950408889634
+# 1.5 * 2^23 + 126: added to x log2 e, rounds it to a whole n and leaves n + 126 in the low
+# mantissa bits (see FunctionEmitter._bit_built_exp).
+EXP_ROUNDER = 12583038.0
 # e^r ~ 1 + c1 r + ... + c5 r^5 on |r| <= ln2 / 2: the coefficients c1..c5 that minimise the
 # largest relative error (7.1e-8, a linear program over 6001 Chebyshev points), float32.
 EXP_MINIMAX = (
@@ -926,32 +930,35 @@ class FunctionEmitter:
     def _fast_exp(self, b, x):
         if self.scales_exponents and isinstance(x.type, ir.VectorType):
             return self._scaled_exp(b, x)
+        return self._bit_built_exp(b, x)
+
+    def _bit_built_exp(self, b, x):
+        """e^x as 2 p(r) 2^(n-1), with n = round(x log2 e), |r| <= ln2 / 2 and 2^(n-1) built
+        from its bits: x log2 e + EXP_ROUNDER rounds to a whole number whose low mantissa
+        bits are n + 126, and shifted by 23 they are 2^(n-1)'s exponent field. The halved
+        scale stays a float for the n = 128 of x up to ln(FLT_MAX) (the doubled polynomial
+        carries the 2, exactly), and the product overflows to inf past it. 14 instructions a
+        vector (the floor, a clamp of n, a conversion and a NaN blend fewer than before).
+        Below ln(2^-125.5) (-86.99) the field is 0 and so is the result (the AVX-512 form
+        keeps e^x down to FLT_MIN, -87.34)."""
         c = functools.partial(self._splat_const, x.type)
-        # Below ln(FLT_MIN) the result is 0, as a flush-to-zero exp gives: the clamp below
-        # would give a subnormal ~1e-39 (exp(-inf) included: a masked softmax lane), and
-        # subnormal operands cost a microcode assist per FMA on x86, ~70x on the next GEMM
-        # (P V of a causal attention: 36 ms against 0.5).
+        # Subnormal operands cost a microcode assist per FMA on x86 (~70x on the GEMM after a
+        # masked softmax: P V of a causal attention, 36 ms against 0.5): far below, the
+        # exponent field wraps, and the result is set to 0 (exp(-inf) included).
         underflow = b.fcmp_ordered("<", x, c(EXP_FLUSH_BELOW))
-        nan, given = b.fcmp_unordered("uno", x, x), x  # the clamps would turn NaN into a number
-        x = self._binary(b, "max", "float32", x, c(-87.3))
-        x = self._binary(b, "min", "float32", x, c(EXP_CLAMP_ABOVE))
-        n = b.call(
-            self._intrinsic("llvm.floor", x.type),
-            [b.fadd(b.fmul(x, c(LOG2_E), flags=FAST_MATH), c(0.5), flags=FAST_MATH)],
-        )
-        # 2^128 is not a float: above 127.5 ln2 (88.38) keep n at 127 and let the polynomial
-        # carry the rest (r up to 0.72, relative error ~1e-5), so that e^x stays finite up to
-        # ln(FLT_MAX) and the product overflows to inf past it.
-        n = self._binary(b, "min", "float32", n, c(127.0))
+        # +inf must not reach r (inf - inf); NaN passes the compare and stays NaN throughout
+        # (no float-to-int conversion, which would make it poison).
+        x = b.select(b.fcmp_ordered(">", x, c(EXP_CLAMP_ABOVE)), c(EXP_CLAMP_ABOVE), x)
+        rounded = b.fadd(b.fmul(x, c(LOG2_E), flags=FAST_MATH), c(EXP_ROUNDER), flags=FAST_MATH)
+        n = b.fsub(rounded, c(EXP_ROUNDER))
         r = self._exp_remainder(b, x, n)
-        poly = c(1.0 / 720)
-        for coefficient in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
-            poly = b.fadd(b.fmul(poly, r, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
-        int_type = ir.VectorType(I32, x.type.count) if isinstance(x.type, ir.VectorType) else I32
-        exponent = b.add(b.fptosi(n, int_type), self._int_splat(int_type, 127))
-        scale = b.bitcast(b.shl(exponent, self._int_splat(int_type, 23)), x.type)
-        result = b.select(underflow, c(0.0), b.fmul(poly, scale, flags=FAST_MATH))
-        return b.select(nan, given, result)
+        poly = c(2 * EXP_MINIMAX[-1])
+        for coefficient in (*EXP_MINIMAX[-2::-1], 1.0):
+            poly = b.fadd(b.fmul(poly, r, flags=FAST_MATH), c(2 * coefficient), flags=FAST_MATH)
+        int_type = _like(x.type, I32)
+        bits = b.shl(b.bitcast(rounded, int_type), self._int_splat(int_type, 23))
+        scaled = b.fmul(poly, b.bitcast(bits, x.type), flags=FAST_MATH)
+        return b.select(underflow, c(0.0), scaled)
 
     def _scaled_exp(self, b, x):
         """e^x as p(r) 2^n with n = round(x log2 e), |r| <= ln2 / 2, and 2^n applied by
