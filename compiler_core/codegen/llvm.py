@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import llvmlite.ir as ir
@@ -112,6 +113,20 @@ LOG2_E = 1.4426950408889634
 # 1.5 * 2^23 + 126: added to x log2 e, rounds it to a whole n and leaves n + 126 in the low
 # mantissa bits (see FunctionEmitter._bit_built_exp).
 EXP_ROUNDER = 12583038.0
+FLT_MIN = float(np.finfo(np.float32).tiny)
+SQRT_HALF_BITS = 0x3F3504F3  # float32 sqrt(1/2)
+# ln(1 + f) ~ f - f^2/2 + f^3 (p0 + p1 f + ... + p6 f^6) on sqrt(1/2) - 1 <= f < sqrt(2) - 1:
+# the p that minimise the largest relative error (2.2e-8; a linear program over 8001
+# Chebyshev points), float32.
+LOG1P_MINIMAX = (
+    0.3333391547203064,
+    -0.2500079274177551,
+    0.19962149858474731,
+    -0.1659555435180664,
+    0.14946341514587402,
+    -0.14124904572963715,
+    0.08409716188907623,
+)
 # e^r ~ 1 + c1 r + ... + c5 r^5 on |r| <= ln2 / 2: the coefficients c1..c5 that minimise the
 # largest relative error (7.1e-8, a linear program over 6001 Chebyshev points), float32.
 EXP_MINIMAX = (
@@ -1007,6 +1022,37 @@ class FunctionEmitter:
             return ir.Constant(ty, [value] * ty.count)
         return ir.Constant(ty, value)
 
+    def _fast_log(self, b, x):
+        """ln x = e ln2 + ln(1 + f), x = (1 + f) 2^e with 1 + f in [sqrt(1/2), sqrt(2)),
+        taken from x's bits; ln(1 + f) = f - f^2/2 + f^3 P(f), P the minimax LOG1P_MINIMAX:
+        within 1.8 float32 ulps, about 28 vector instructions where libm's logf is called
+        once per lane (Mish and Softplus ran 10x a Sigmoid of the same size so). Subnormal
+        x are scaled up first; ln 0 = -inf, ln inf = inf, NaN for x < 0 and NaN."""
+        c = functools.partial(self._splat_const, x.type)
+        int_type = _like(x.type, I32)
+        i = functools.partial(self._int_splat, int_type)
+        tiny = b.fcmp_ordered("<", x, c(FLT_MIN))
+        normal = b.select(tiny, b.fmul(x, c(2.0**23)), x)
+        # Less the bits of sqrt(1/2), the exponent field counts from there: the mantissa
+        # bits put back over sqrt(1/2)'s give 1 + f in [sqrt(1/2), sqrt(2)).
+        shifted = b.sub(b.bitcast(normal, int_type), i(SQRT_HALF_BITS))
+        exponent = b.sitofp(b.ashr(shifted, i(23)), x.type)
+        exponent = b.fsub(exponent, b.select(tiny, c(23.0), c(0.0)))
+        mantissa = b.add(b.and_(shifted, i(0x7FFFFF)), i(SQRT_HALF_BITS))
+        f = b.fsub(b.bitcast(mantissa, x.type), c(1.0))
+        poly = c(LOG1P_MINIMAX[-1])
+        for coefficient in LOG1P_MINIMAX[-2::-1]:
+            poly = b.fadd(b.fmul(poly, f, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
+        square = b.fmul(f, f)
+        head = b.fadd(b.fmul(square, c(-0.5), flags=FAST_MATH), f, flags=FAST_MATH)
+        y = b.fadd(b.fmul(poly, b.fmul(square, f), flags=FAST_MATH), head, flags=FAST_MATH)
+        # + e ln2 in two parts, the larger last (e times its 9 bits is exact)
+        y = b.fadd(b.fmul(exponent, c(-2.12194440e-4), flags=FAST_MATH), y, flags=FAST_MATH)
+        y = b.fadd(b.fmul(exponent, c(0.693359375), flags=FAST_MATH), y, flags=FAST_MATH)
+        y = b.select(b.fcmp_ordered("==", x, c(math.inf)), c(math.inf), y)
+        y = b.select(b.fcmp_ordered("==", x, c(0.0)), c(-math.inf), y)
+        return b.select(b.fcmp_unordered("<", x, c(0.0)), c(math.nan), y)
+
     def _fast_erf(self, b, x):
         """Abramowitz & Stegun 7.1.26 with an odd extension."""
         c = functools.partial(self._splat_const, x.type)
@@ -1125,6 +1171,7 @@ class FunctionEmitter:
 
 VECTOR_MATH = {
     "exp": FunctionEmitter._fast_exp,
+    "log": FunctionEmitter._fast_log,
     "erf": FunctionEmitter._fast_erf,
     "tanh": FunctionEmitter._fast_tanh,
     "sigmoid": FunctionEmitter._fast_sigmoid,

@@ -172,11 +172,32 @@ def test_vector_loop_emits_512_bit_fma_on_avx512_hosts():
     assert "vfmadd" in assembly
 
 
-def exp_kernel(size: int, lanes: int) -> PrimFunc:
+def unary_kernel(size: int, lanes: int, op: str = "exp") -> PrimFunc:
     x = te.placeholder((size,), "float32", "x")
-    out = te.compute((size,), lambda i: Unary("exp", x[i]), "out")
-    func = te.lower([x], [out], "vector_exp")
+    out = te.compute((size,), lambda i: Unary(op, x[i]), "out")
+    func = te.lower([x], [out], f"vector_{op}")
     return apply(func, [Split("out_i0", lanes), Vectorize("out_i0_i")])
+
+
+def test_vector_log_is_within_two_ulps_and_keeps_ieee_specials(tmp_path):
+    """The inline log against float64 from the smallest subnormal to FLT_MAX (and densely
+    around 1, where ln x is small), and ln of 0, inf, negatives and NaN as IEEE has them."""
+    tiny = np.finfo(np.float32).smallest_subnormal
+    spread = np.geomspace(tiny, np.finfo(np.float32).max, 1 << 20).astype(np.float32)
+    near_one = np.linspace(0.5, 2.0, 1 << 18, dtype=np.float32)
+    specials = np.float32([0.0, -0.0, np.inf, -1.0, -np.inf, np.nan, 1.0, tiny])
+    x = np.concatenate([spread, near_one, specials])
+    x = np.resize(x, -(-x.size // 16) * 16)
+    library = compile_funcs([unary_kernel(x.size, TARGET.vector_lanes, "log")], tmp_path)
+    y = np.empty_like(x)
+    library.call("vector_log", [x, y])
+    positive = np.isfinite(x) & (x > 0)
+    expected = np.log(x[positive].astype(np.float64))
+    ulps = np.abs(y[positive] - expected) / np.spacing(np.abs(expected).astype(np.float32))
+    assert ulps.max() <= 2, x[positive][ulps.argmax()]
+    assert np.all(y[x == 0] == -np.inf) and np.all(y[x == np.inf] == np.inf)
+    assert np.all(np.isnan(y[(x < 0) | np.isnan(x)]))
+    assert np.all(y[x == 1] == 0)
 
 
 @pytest.mark.parametrize("isa", ["host", "avx2"])
@@ -190,7 +211,7 @@ def test_vector_exp_is_within_four_ulps_from_flt_min_to_flt_max(isa, tmp_path):
     near_zero = np.linspace(-1.0, 1.0, 1 << 16, dtype=np.float32)
     x = np.concatenate([whole, near_zero, np.float32([0.0, -0.0, 88.7228, low])])
     x = np.resize(x, -(-x.size // 16) * 16)
-    obj = emit_object(build_module([exp_kernel(x.size, target.vector_lanes)], target), target)
+    obj = emit_object(build_module([unary_kernel(x.size, target.vector_lanes)], target), target)
     library = KernelLibrary(link_shared([obj], tmp_path / "exp.so"))
     y = np.empty_like(x)
     library.call("vector_exp", [x, y])
@@ -210,7 +231,7 @@ def test_vector_exp_scales_by_2_to_the_n_in_one_instruction_on_avx512(features, 
     libm's ldexpf for every lane). Neither calls out."""
     target = parse_target(f"llvm -mattr={features}")
     assert target.scales_exponents is scales
-    func = exp_kernel(64, lanes)
+    func = unary_kernel(64, lanes)
     assembly = emit_assembly(build_module([func], target), target)
     assert ("vscalefps" in assembly) is scales
     assert "call" not in assembly
