@@ -402,6 +402,8 @@ CASES: dict[str, Case] = {
         ),
         unary("sigmoid", "elementwise", "Sigmoid", [1, 64, 112, 112], description="SiLU's gate"),
         unary("tanh", "elementwise", "Tanh", [64, 4096], description="GPT-2 GELU's inner tanh"),
+        unary("mish", "elementwise", "Mish", [1, 64, 152, 152], opset=18, description="YOLOv4's"),
+        unary("softplus", "elementwise", "Softplus", [1, 256, 56, 56], description="stable form"),
         reduce_mean("reducemean_hw", [1, 512, 28, 28], (2, 3), description="over H, W"),
         unary(
             "avgpool_3x3s1",

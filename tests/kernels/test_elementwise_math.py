@@ -1,0 +1,57 @@
+"""Elementwise activations built from exp and log, against float64 over their whole range:
+the stable Softplus, Mish's one-exp form, Log on every kind of input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+import compiler_core
+from compiler_core.runtime import load
+from tests.conftest import FLOAT, make_model
+
+X = np.concatenate(
+    [np.linspace(-100.0, 100.0, 4001), np.linspace(-3.0, 3.0, 2001), [0.0, -0.0, 20.0, 88.8]]
+).astype(np.float32)
+
+
+def run_unary(op: str, x: np.ndarray, opset: int = 18) -> np.ndarray:
+    node = helper.make_node(op, ["x"], ["y"])
+    model = make_model([node], [("x", FLOAT, list(x.shape))], [("y", FLOAT, list(x.shape))],
+                       opset=opset)  # fmt: skip
+    return load(compiler_core.compile(model.SerializeToString())).run({"x": x})["y"]
+
+
+def test_softplus_is_x_past_where_e_to_the_x_overflows():
+    y = run_unary("Softplus", X)
+    expected = np.logaddexp(0.0, X.astype(np.float64))
+    np.testing.assert_allclose(y, expected, rtol=2e-6, atol=1e-30)
+    assert y[X == 100][0] == 100 and np.isfinite(y).all()
+
+
+def test_mish_in_one_exp_matches_its_definition():
+    y = run_unary("Mish", X)
+    x = X.astype(np.float64)
+    expected = x * np.tanh(np.logaddexp(0.0, x))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-30)
+    assert np.isclose(y[X == 100][0], 100, rtol=1e-6) and np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("mish", [True, False])
+def test_mish_and_softplus_keep_nan(mish):
+    x = np.float32([np.nan, 1.0, -np.inf, np.inf] * 4)
+    y = run_unary("Mish" if mish else "Softplus", x)
+    assert np.isnan(y[0]) and np.isfinite(y[1])
+    assert y[3] == np.inf
+
+
+def test_log_of_positive_zero_negative_and_infinite_inputs():
+    tiny = np.finfo(np.float32).smallest_subnormal
+    x = np.concatenate([np.geomspace(tiny, 3e38, 4000), [0.0, -1.0, np.inf, np.nan, 1.0]])
+    x = x.astype(np.float32)
+    y = run_unary("Log", x, opset=17)
+    positive = np.isfinite(x) & (x > 0)
+    np.testing.assert_allclose(y[positive], np.log(x[positive].astype(np.float64)), rtol=3e-7)
+    assert y[x == 0][0] == -np.inf and y[x == np.inf][0] == np.inf and y[x == 1][0] == 0
+    assert np.isnan(y[x == -1][0]) and np.isnan(y[np.isnan(x)][0])
