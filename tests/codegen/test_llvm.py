@@ -179,6 +179,34 @@ def unary_kernel(size: int, lanes: int, op: str = "exp") -> PrimFunc:
     return apply(func, [Split("out_i0", lanes), Vectorize("out_i0_i")])
 
 
+@pytest.mark.parametrize("op", ["sin", "cos"])
+def test_vector_sine_is_within_2e7_inline_and_exact_past_its_limit(op, tmp_path):
+    """sin and cos inline against float64 up to |x| = 2^21 (densely near 0, where sin is
+    small, relative there), and vectors with a lane past the limit, an inf or a NaN, which
+    take libm's sinf / cosf: the same values as numpy's float32 ones."""
+    limit = 2.0**21
+    inline = np.concatenate(
+        [np.linspace(-limit, limit, 1 << 20), np.linspace(-7.0, 7.0, 1 << 16), [0.0, -0.0]]
+    ).astype(np.float32)
+    inline = np.resize(inline, -(-inline.size // 16) * 16)
+    far = np.float32([3e6, -1e9, 3e38, np.inf, -np.inf, np.nan, 1.0, 2.0] * 2)
+    x = np.concatenate([inline, far])
+    library = compile_funcs([unary_kernel(x.size, TARGET.vector_lanes, op)], tmp_path)
+    y = np.empty_like(x)
+    library.call(f"vector_{op}", [x, y])
+    with np.errstate(invalid="ignore"):  # sin and cos of inf are NaN
+        exact = getattr(np, op)(x.astype(np.float64))
+        libm = getattr(np, op)(x[inline.size :])
+    n = inline.size
+    assert np.abs(y[:n] - exact[:n]).max() <= 2e-7
+    small = np.abs(x[:n]) < 0.5
+    relative = np.abs(y[:n][small] - exact[:n][small]) / np.maximum(np.abs(exact[:n][small]), 1e-30)
+    assert relative.max() <= 3e-7
+    if op == "sin":
+        assert np.all(np.signbit(y[:n][x[:n] == 0]) == np.signbit(x[:n][x[:n] == 0]))
+    np.testing.assert_allclose(y[n:], libm, rtol=1e-6, atol=1e-7)
+
+
 def test_vector_log_is_within_two_ulps_and_keeps_ieee_specials(tmp_path):
     """The inline log against float64 from the smallest subnormal to FLT_MAX (and densely
     around 1, where ln x is small), and ln of 0, inf, negatives and NaN as IEEE has them."""
