@@ -229,6 +229,27 @@ def test_vector_tanh_is_relatively_exact_near_zero_and_within_an_ulp_of_one_beyo
     assert np.all(y[np.isinf(x)] == np.sign(x[np.isinf(x)])) and np.all(np.isnan(y[np.isnan(x)]))
 
 
+def test_vector_erf_is_relatively_exact_near_zero_and_within_2e7_beyond(tmp_path):
+    """Near 0 erf x ~ 1.13 x must hold to a few ulps (Abramowitz & Stegun's absolute 1.5e-7
+    was thousands of ulps there); beyond, its 1.5e-7 and float32 rounding; erf(+-0) = +-0."""
+    import scipy.special
+
+    near = np.concatenate([np.geomspace(1e-30, 0.6, 1 << 16), -np.geomspace(1e-30, 0.6, 1 << 16)])
+    far = np.linspace(-8.0, 8.0, 1 << 18)
+    x = np.concatenate([near, far, [0.0, -0.0, np.inf, -np.inf, 0.5, -0.5, 1.0, 2.0]])
+    x = np.resize(x.astype(np.float32), -(-x.size // 16) * 16)
+    library = compile_funcs([unary_kernel(x.size, TARGET.vector_lanes, "erf")], tmp_path)
+    y = np.empty_like(x)
+    library.call("vector_erf", [x, y])
+    expected = scipy.special.erf(x.astype(np.float64))
+    small = np.abs(x) < 0.5
+    ulps = np.abs(y - expected)[small] / np.spacing(np.abs(expected[small]).astype(np.float32))
+    assert ulps.max() <= 3, x[small][ulps.argmax()]
+    assert np.abs(y - expected).max() <= 4e-7
+    zeros = x == 0
+    assert np.all(y[zeros] == 0) and np.all(np.signbit(y[zeros]) == np.signbit(x[zeros]))
+
+
 def test_vector_log_is_within_two_ulps_and_keeps_ieee_specials(tmp_path):
     """The inline log against float64 from the smallest subnormal to FLT_MAX (and densely
     around 1, where ln x is small), and ln of 0, inf, negatives and NaN as IEEE has them."""
