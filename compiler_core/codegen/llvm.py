@@ -113,7 +113,42 @@ LOG2_E = 1.4426950408889634
 # 1.5 * 2^23 + 126: added to x log2 e, rounds it to a whole n and leaves n + 126 in the low
 # mantissa bits (see FunctionEmitter._bit_built_exp).
 EXP_ROUNDER = 12583038.0
+# e^r ~ 1 + c1 r + ... + c5 r^5 on |r| <= ln2 / 2: the coefficients c1..c5 that minimise the
+# largest relative error (7.1e-8, a linear program over 6001 Chebyshev points), float32.
+EXP_MINIMAX = (
+    1.0000001192092896,
+    0.499990314245224,
+    0.16666938364505768,
+    0.04190947115421295,
+    0.008324443362653255,
+)
+# ln x inline (FunctionEmitter._fast_log): below FLT_MIN x is scaled up first; the mantissa
+# is taken about sqrt(1/2) (its float32 bits).
 FLT_MIN = float(np.finfo(np.float32).tiny)
+SQRT_HALF_BITS = 0x3F3504F3
+# ln(1 + f) ~ f - f^2/2 + f^3 (p0 + p1 f + ... + p6 f^6) on sqrt(1/2) - 1 <= f < sqrt(2) - 1:
+# the p that minimise the largest relative error (2.2e-8; a linear program over 8001
+# Chebyshev points), float32.
+LOG1P_MINIMAX = (
+    0.3333391547203064,
+    -0.2500079274177551,
+    0.19962149858474731,
+    -0.1659555435180664,
+    0.14946341514587402,
+    -0.14124904572963715,
+    0.08409716188907623,
+)
+# sin and cos inline (FunctionEmitter._sine): 1.5 * 2^23, to round x 2/pi; pi/2 as three
+# float32 parts whose sum is pi/2 to 70 bits; and where the inline form gives way to libm
+# (j past 2^21, where the rounder and the parts still hold with room to spare).
+SINE_ROUNDER = 12582912.0
+HALF_PI_PARTS = (1.5707963705062866, -4.371138828673793e-08, -1.7151245100058819e-15)
+SINE_INLINE_LIMIT = 2.0**21
+# sin r ~ r + r^3 (s0 + s1 r^2 + s2 r^4), cos r ~ 1 - r^2/2 + r^4 (c0 + c1 r^2 + c2 r^4) on
+# |r| <= 0.86 (pi/4, and the j one off that float32 2/pi can give near the limit): minimax
+# (relative error, a linear program over 6001 Chebyshev points), float32; 2.9e-8 and 3.6e-8.
+SIN_MINIMAX = (-0.1666666716337204, 0.008332556113600731, -0.00019533901649992913)
+COS_MINIMAX = (0.04166756942868233, -0.0013921060599386692, 2.729845800786279e-05)
 # tanh x ~ x + x^3 (p0 + p1 x^2 + ... + p4 x^8) below |x| = 0.55 (FunctionEmitter._fast_tanh):
 # minimax for relative error (a linear program over 6001 Chebyshev points), float32, 4.8e-9.
 TANH_SERIES_BELOW = 0.55
@@ -133,39 +168,6 @@ ERF_MINIMAX = (
     0.11283491551876068,
     -0.02680441364645958,
     0.004817485343664885,
-)
-# sin and cos inline (FunctionEmitter._sine): 1.5 * 2^23, to round x 2/pi; pi/2 as three
-# float32 parts whose sum is pi/2 to 70 bits; and where the inline form gives way to libm
-# (j past 2^21, where the rounder and the parts still hold with room to spare).
-SINE_ROUNDER = 12582912.0
-HALF_PI_PARTS = (1.5707963705062866, -4.371138828673793e-08, -1.7151245100058819e-15)
-SINE_INLINE_LIMIT = 2.0**21
-# sin r ~ r + r^3 (s0 + s1 r^2 + s2 r^4), cos r ~ 1 - r^2/2 + r^4 (c0 + c1 r^2 + c2 r^4) on
-# |r| <= 0.86 (pi/4, and the j one off that float32 2/pi can give near the limit): minimax
-# (relative error, a linear program over 6001 Chebyshev points), float32; 2.9e-8 and 3.6e-8.
-SIN_MINIMAX = (-0.1666666716337204, 0.008332556113600731, -0.00019533901649992913)
-COS_MINIMAX = (0.04166756942868233, -0.0013921060599386692, 2.729845800786279e-05)
-SQRT_HALF_BITS = 0x3F3504F3  # float32 sqrt(1/2)
-# ln(1 + f) ~ f - f^2/2 + f^3 (p0 + p1 f + ... + p6 f^6) on sqrt(1/2) - 1 <= f < sqrt(2) - 1:
-# the p that minimise the largest relative error (2.2e-8; a linear program over 8001
-# Chebyshev points), float32.
-LOG1P_MINIMAX = (
-    0.3333391547203064,
-    -0.2500079274177551,
-    0.19962149858474731,
-    -0.1659555435180664,
-    0.14946341514587402,
-    -0.14124904572963715,
-    0.08409716188907623,
-)
-# e^r ~ 1 + c1 r + ... + c5 r^5 on |r| <= ln2 / 2: the coefficients c1..c5 that minimise the
-# largest relative error (7.1e-8, a linear program over 6001 Chebyshev points), float32.
-EXP_MINIMAX = (
-    1.0000001192092896,
-    0.499990314245224,
-    0.16666938364505768,
-    0.04190947115421295,
-    0.008324443362653255,
 )
 LLVM_INTRINSICS = {
     "exp": "llvm.exp",
@@ -964,9 +966,9 @@ class FunctionEmitter:
         return b.trunc(x, ty(dst)) if dst_width < src_bits else x
 
     # --- float32 math in registers ---------------------------------------------------------
-    # exp, erf, tanh and sigmoid are expanded inline (range reduction + polynomials), so they
-    # vectorize: LLVM would otherwise call libm once per lane. Accurate to a few float32 ulps
-    # (erf to 1.5e-7 absolute), well inside the 1e-4 / 1e-5 tolerances models are held to.
+    # exp, log, sin, cos, erf, tanh and sigmoid are expanded inline (range reduction +
+    # minimax polynomials), so they vectorize: LLVM would otherwise call libm once per lane.
+    # Accurate to a few float32 ulps (sin and cos to 2e-7 absolute, erf past 0.5 to 3e-7).
 
     def _splat_const(self, ty: ir.Type, value: float) -> ir.Value:
         if isinstance(ty, ir.VectorType):
