@@ -67,7 +67,9 @@ def _simplify_node(e: Expr) -> Expr | None:
         if form is not None:
             return canonical(*form)
         if e.op in ("add", "sub"):
-            return _joined_divmod(e)
+            joined = _joined_divmod(e)
+            if joined is not None:
+                return joined  # else the identities below (0 + x) may still apply
     a, b, op = e.a, e.b, e.op
     if _is_const(a) and _is_const(b) and op in _FOLD:
         if op in ("floordiv", "mod") and b.value == 0:

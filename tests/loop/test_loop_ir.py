@@ -114,6 +114,9 @@ def test_simplifier_cancels_affine_terms():
     assert simplify_expr(Const(3, INDEX) * Const(4, INDEX)) == Const(12, INDEX)
     assert affine(o * 4 + i * 2 + 3) == ({"o": 4, "i": 2}, 3)
     assert affine(o * i) is None
+    # Around a term that is not affine, the identities still apply.
+    zero = Const(0, INDEX)
+    assert simplify_expr(zero + o * i) == o * i and simplify_expr(o * i - zero) == o * i
 
 
 def test_bounds_of_an_affine_index():
