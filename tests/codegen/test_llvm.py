@@ -172,8 +172,8 @@ def test_vector_loop_emits_512_bit_fma_on_avx512_hosts():
     assert "vfmadd" in assembly
 
 
-def unary_kernel(size: int, lanes: int, op: str = "exp") -> PrimFunc:
-    x = te.placeholder((size,), "float32", "x")
+def unary_kernel(size: int, lanes: int, op: str = "exp", dtype: str = "float32") -> PrimFunc:
+    x = te.placeholder((size,), dtype, "x")
     out = te.compute((size,), lambda i: Unary(op, x[i]), "out")
     func = te.lower([x], [out], f"vector_{op}")
     return apply(func, [Split("out_i0", lanes), Vectorize("out_i0_i")])
@@ -248,6 +248,17 @@ def test_vector_erf_is_relatively_exact_near_zero_and_within_2e7_beyond(tmp_path
     assert np.abs(y - expected).max() <= 4e-7
     zeros = x == 0
     assert np.all(y[zeros] == 0) and np.all(np.signbit(y[zeros]) == np.signbit(x[zeros]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["exp", "log", "sin", "tanh", "erf", "sigmoid"])
+def test_16_bit_math_renders_inline_with_no_call(op, dtype):
+    """16-bit lanes take the float32 expansions (widened and rounded back), not a libm call
+    per lane; sin's far-lane branch is the one call it keeps."""
+    func = unary_kernel(64, TARGET.vector_lanes, op, dtype)
+    assembly = emit_assembly(build_module([func], TARGET), TARGET)
+    calls = [line for line in assembly.splitlines() if "call" in line and "sin" not in line]
+    assert not calls
 
 
 def test_vector_log_is_within_two_ulps_and_keeps_ieee_specials(tmp_path):
