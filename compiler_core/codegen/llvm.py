@@ -925,6 +925,9 @@ class FunctionEmitter:
             exp = b.call(self._intrinsic("llvm.exp", x.type), [b.fneg(x)])
             one = ir.Constant(x.type, 1.0)
             return b.fdiv(one, b.fadd(one, exp, flags=FAST_MATH), flags=FAST_MATH)
+        if op in LIBM and dtype == "float16":  # libm has no half functions: in float32
+            wide = b.fpext(x, _like(x.type, ir.FloatType()))
+            return b.fptrunc(self._unary(b, op, "float32", wide), x.type)
         if op in LIBM:
             scalar = memory_type(dtype)
             fn = self._declare(LIBM[op][dtype], scalar, [scalar])
