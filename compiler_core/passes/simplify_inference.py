@@ -10,6 +10,9 @@
   does its tanh approximation (GPT-2's and HF's "gelu_new", PyTorch's approximate="tanh"
   before opset 20): x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), with x^3 as a
   Pow or a product, which becomes Gelu(approximate="tanh").
+- A float Pow by a constant 1, 2, 3 or -1 becomes x, x*x, x*x*x or Reciprocal(x): the
+  exponent is a weight read at run time, so LLVM calls powf once per lane (RMSNorm's
+  `x.pow(2)` as exported ran 16 calls a vector).
 """
 
 from __future__ import annotations
@@ -249,6 +252,40 @@ def _gelu(rw: _Rewriter, node: Node) -> Node | None:
     return None
 
 
+# Exponents a Pow by a constant is spelled out for: as products, which round like powf's
+# results (x*x exactly; x*x*x within an ulp), or as the correctly rounded 1/x.
+SPELLED_POWERS = (1, 2, 3, -1)
+
+
+def _spelled_power(rw: _Rewriter, node: Node) -> bool:
+    """Rewrite `node`, a Pow of a float by a constant in SPELLED_POWERS that broadcasts
+    nothing, as products or a Reciprocal; whether it did."""
+    if len(node.inputs) != 2:
+        return False
+    x, out = node.inputs[0], node.outputs[0]
+    exponent = rw.value(node.inputs[1])
+    if exponent is None or exponent.size != 1 or rw.types[x] != rw.types[out]:
+        return False
+    if rw.types[x].dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return False
+    power = float(np.asarray(exponent).reshape(()))
+    if power not in SPELLED_POWERS:
+        return False
+    if power == 1:
+        rw.removed.add(node.name)
+        rw.forward[out] = x
+    elif power == -1:
+        rw.replaced[node.name] = Node("Reciprocal", node.name, (x,), (out,))
+    elif power == 2:
+        rw.replaced[node.name] = Node("Mul", node.name, (x, x), (out,))
+    else:
+        square = rw.fresh(f"{node.name}_square")
+        rw.types[square] = rw.types[x]
+        rw.replaced[node.name] = Node("Mul", node.name, (x, x), (square,))
+        rw.after[node.name] = Node("Mul", rw.fresh(f"{node.name}_cube"), (square, x), (out,))
+    return True
+
+
 def run(graph: Graph) -> Graph:
     rw = _Rewriter(graph)
     for node in graph.nodes:
@@ -263,4 +300,6 @@ def run(graph: Graph) -> Graph:
             rw.forward[node.outputs[0]] = source
         elif node.op == "Mul" and (gelu := _gelu(rw, node)) is not None:
             rw.replaced[node.name] = gelu
+        elif node.op == "Pow":
+            _spelled_power(rw, node)
     return rw.result()

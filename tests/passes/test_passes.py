@@ -404,3 +404,37 @@ def test_a_product_that_is_not_gelu_stays_spelled_out(half, scale):
     after = eliminate_dead_code.run(simplify_inference.run(before))
     assert "Gelu" not in after.op_histogram()
     assert_same_function(before, after)
+
+
+def pow_model(exponent, x_shape=(4, 8), exponent_shape=()):
+    node = helper.make_node("Pow", ["x", "e"], ["y"], name="power")
+    y_shape = list(np.broadcast_shapes(x_shape, exponent_shape))
+    constants = {"e": np.full(exponent_shape, exponent, np.float32)}
+    return make_model(
+        [node], [("x", FLOAT, list(x_shape))], [("y", FLOAT, y_shape)], initializers=constants
+    )
+
+
+@pytest.mark.parametrize(
+    ("exponent", "ops"), [(2, {"Mul": 1}), (3, {"Mul": 2}), (-1, {"Reciprocal": 1}), (1, {})]
+)
+def test_a_pow_by_a_small_whole_constant_is_spelled_out(exponent, ops):
+    """The exponent is a weight loaded at run time: as a Pow, every lane called powf."""
+    before = import_model(pow_model(float(exponent)))
+    after = eliminate_dead_code.run(simplify_inference.run(before))
+    histogram = {op: n for op, n in after.op_histogram().items() if op != "Identity"}
+    assert histogram == ops
+    assert_same_function(before, after)
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    native = load(compiler_core.compile(pow_model(float(exponent)).SerializeToString()))
+    np.testing.assert_allclose(native.run({"x": x})["y"], x.astype(np.float64) ** exponent,
+                               rtol=3e-7)  # fmt: skip
+
+
+@pytest.mark.parametrize(("exponent", "exponent_shape"), [(1.7, ()), (0.5, ()), (2, (1, 1, 1))])
+def test_a_pow_that_is_not_a_small_whole_power_of_its_own_shape_stays(exponent, exponent_shape):
+    """A fractional exponent (0.5 as Sqrt would differ at -0 and -inf), or an exponent
+    that broadcasts the result to another shape, stays a Pow."""
+    before = import_model(pow_model(float(exponent), exponent_shape=exponent_shape))
+    after = simplify_inference.run(before)
+    assert after.op_histogram() == {"Pow": 1}
