@@ -110,6 +110,9 @@ EXP_FLUSH_BELOW = -87.33654475
 # Just past ln(FLT_MAX) (88.7228): the fast exp of anything at or above it overflows to inf.
 EXP_CLAMP_ABOVE = 88.75
 LOG2_E = 1.4426950408889634
+# ln2 in two parts for x - n ln2 (Cody-Waite): the first has 9 significant bits, so n times it
+# is exact for every n an exp or a log meets.
+LN2_PARTS = (0.693359375, -2.12194440e-4)
 # 1.5 * 2^23 + 126: added to x log2 e, rounds it to a whole n and leaves n + 126 in the low
 # mantissa bits (see FunctionEmitter._bit_built_exp).
 EXP_ROUNDER = 12583038.0
@@ -904,13 +907,14 @@ class FunctionEmitter:
             return b.not_(x)
         if not _is_float(dtype):
             raise CodegenError(f"no LLVM rule for {op} on {dtype}")
+        if dtype == "float16" and (op in VECTOR_MATH or op in LIBM):
+            # In float32 and rounded back (within half an ulp of float16): the inline forms
+            # are float32's, libm has no half functions, and LLVM would widen each lane for a
+            # call (Exp over [64, 4096] float16 ran 10x float32's).
+            wide = b.fpext(x, _like(x.type, ir.FloatType()))
+            return b.fptrunc(self._unary(b, op, "float32", wide), x.type)
         if op in VECTOR_MATH and dtype in ("float32", "bfloat16"):  # float32 registers
             return VECTOR_MATH[op](self, b, x)
-        if op in VECTOR_MATH and dtype == "float16":
-            # In float32 and rounded back (within half an ulp of float16): LLVM would widen
-            # each lane for a libm call (Exp over [64, 4096] float16 ran 10x float32's).
-            wide = b.fpext(x, _like(x.type, ir.FloatType()))
-            return b.fptrunc(VECTOR_MATH[op](self, b, wide), x.type)
         if op in LLVM_INTRINSICS:
             return b.call(self._intrinsic(LLVM_INTRINSICS[op], x.type), [x], fastmath=FAST_MATH)
         if op == "sign":
@@ -925,9 +929,6 @@ class FunctionEmitter:
             exp = b.call(self._intrinsic("llvm.exp", x.type), [b.fneg(x)])
             one = ir.Constant(x.type, 1.0)
             return b.fdiv(one, b.fadd(one, exp, flags=FAST_MATH), flags=FAST_MATH)
-        if op in LIBM and dtype == "float16":  # libm has no half functions: in float32
-            wide = b.fpext(x, _like(x.type, ir.FloatType()))
-            return b.fptrunc(self._unary(b, op, "float32", wide), x.type)
         if op in LIBM:
             scalar = memory_type(dtype)
             fn = self._declare(LIBM[op][dtype], scalar, [scalar])
@@ -1007,10 +1008,8 @@ class FunctionEmitter:
         x = b.select(b.fcmp_ordered(">", x, c(EXP_CLAMP_ABOVE)), c(EXP_CLAMP_ABOVE), x)
         rounded = b.fadd(b.fmul(x, c(LOG2_E), flags=FAST_MATH), c(EXP_ROUNDER), flags=FAST_MATH)
         n = b.fsub(rounded, c(EXP_ROUNDER))
-        r = self._exp_remainder(b, x, n)
-        poly = c(2 * EXP_MINIMAX[-1])
-        for coefficient in (*EXP_MINIMAX[-2::-1], 1.0):
-            poly = b.fadd(b.fmul(poly, r, flags=FAST_MATH), c(2 * coefficient), flags=FAST_MATH)
+        r = self._reduce(b, x, n, LN2_PARTS)
+        poly = self._horner(b, r, [2 * k for k in (*EXP_MINIMAX[::-1], 1.0)])
         int_type = _like(x.type, I32)
         bits = b.shl(b.bitcast(rounded, int_type), self._int_splat(int_type, 23))
         scaled = b.fmul(poly, b.bitcast(bits, x.type), flags=FAST_MATH)
@@ -1030,10 +1029,8 @@ class FunctionEmitter:
         x = b.select(above, c(EXP_CLAMP_ABOVE), x)
         scaled = b.fmul(x, c(LOG2_E), flags=FAST_MATH)
         n = b.call(self._intrinsic("llvm.roundeven", x.type), [scaled])
-        r = self._exp_remainder(b, x, n)
-        poly = c(EXP_MINIMAX[-1])
-        for coefficient in (*EXP_MINIMAX[-2::-1], 1.0):
-            poly = b.fadd(b.fmul(poly, r, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
+        r = self._reduce(b, x, n, LN2_PARTS)
+        poly = self._horner(b, r, (*EXP_MINIMAX[::-1], 1.0))
         return b.select(underflow, c(0.0), self._scale_by_power_of_2(b, poly, n))
 
     def _scale_by_power_of_2(self, b, x, n):
@@ -1051,11 +1048,22 @@ class FunctionEmitter:
         # n is whole and within +-2^31 (x is clamped above; far below, the select drops it).
         return b.call(ldexp, [x, b.fptosi(n, int_type)])
 
-    def _exp_remainder(self, b, x, n):
-        """x - n ln2 in two parts (Cody-Waite), each an FMA: exact for the n that occur."""
+    def _reduce(self, b, x, n, parts):
+        """x - n (sum of `parts`), one FMA a part, the largest first (Cody-Waite): a constant
+        such as ln2 or pi/2 split so that n times each leading part is exact."""
         c = functools.partial(self._splat_const, x.type)
-        high = b.fsub(x, b.fmul(n, c(0.693359375), flags=FAST_MATH), flags=FAST_MATH)
-        return b.fsub(high, b.fmul(n, c(-2.12194440e-4), flags=FAST_MATH), flags=FAST_MATH)
+        for part in parts:
+            x = b.fsub(x, b.fmul(n, c(part), flags=FAST_MATH), flags=FAST_MATH)
+        return x
+
+    def _horner(self, b, x, coefficients):
+        """The polynomial with `coefficients` (the highest power's first) at x, an FMA a
+        coefficient after the first."""
+        c = functools.partial(self._splat_const, x.type)
+        value = c(coefficients[0])
+        for coefficient in coefficients[1:]:
+            value = b.fadd(b.fmul(value, x, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
+        return value
 
     @staticmethod
     def _int_splat(ty: ir.Type, value: int) -> ir.Value:
@@ -1081,15 +1089,13 @@ class FunctionEmitter:
         exponent = b.fsub(exponent, b.select(tiny, c(23.0), c(0.0)))
         mantissa = b.add(b.and_(shifted, i(0x7FFFFF)), i(SQRT_HALF_BITS))
         f = b.fsub(b.bitcast(mantissa, x.type), c(1.0))
-        poly = c(LOG1P_MINIMAX[-1])
-        for coefficient in LOG1P_MINIMAX[-2::-1]:
-            poly = b.fadd(b.fmul(poly, f, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
+        poly = self._horner(b, f, LOG1P_MINIMAX[::-1])
         square = b.fmul(f, f)
         head = b.fadd(b.fmul(square, c(-0.5), flags=FAST_MATH), f, flags=FAST_MATH)
         y = b.fadd(b.fmul(poly, b.fmul(square, f), flags=FAST_MATH), head, flags=FAST_MATH)
-        # + e ln2 in two parts, the larger last (e times its 9 bits is exact)
-        y = b.fadd(b.fmul(exponent, c(-2.12194440e-4), flags=FAST_MATH), y, flags=FAST_MATH)
-        y = b.fadd(b.fmul(exponent, c(0.693359375), flags=FAST_MATH), y, flags=FAST_MATH)
+        # + e ln2 in its two parts, the larger last (e times its 9 bits is exact)
+        for part in LN2_PARTS[::-1]:
+            y = b.fadd(b.fmul(exponent, c(part), flags=FAST_MATH), y, flags=FAST_MATH)
         y = b.select(b.fcmp_ordered("==", x, c(math.inf)), c(math.inf), y)
         y = b.select(b.fcmp_ordered("==", x, c(0.0)), c(-math.inf), y)
         return b.select(b.fcmp_unordered("<", x, c(0.0)), c(math.nan), y)
@@ -1115,19 +1121,11 @@ class FunctionEmitter:
             b.fmul(x, c(2 / math.pi), flags=FAST_MATH), c(SINE_ROUNDER), flags=FAST_MATH
         )
         j = b.fsub(rounded, c(SINE_ROUNDER))
-        r = x
-        for part in HALF_PI_PARTS:
-            r = b.fsub(r, b.fmul(j, c(part), flags=FAST_MATH), flags=FAST_MATH)
+        r = self._reduce(b, x, j, HALF_PI_PARTS)
         square = b.fmul(r, r)
-        sine = c(SIN_MINIMAX[-1])
-        for coefficient in SIN_MINIMAX[-2::-1]:
-            sine = b.fadd(b.fmul(sine, square, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
+        sine = self._horner(b, square, SIN_MINIMAX[::-1])
         sine = b.fadd(b.fmul(sine, b.fmul(square, r), flags=FAST_MATH), r, flags=FAST_MATH)
-        cosine = c(COS_MINIMAX[-1])
-        for coefficient in COS_MINIMAX[-2::-1]:
-            cosine = b.fadd(
-                b.fmul(cosine, square, flags=FAST_MATH), c(coefficient), flags=FAST_MATH
-            )
+        cosine = self._horner(b, square, COS_MINIMAX[::-1])
         head = b.fadd(b.fmul(square, c(-0.5), flags=FAST_MATH), c(1.0), flags=FAST_MATH)
         square2 = b.fmul(square, square)
         cosine = b.fadd(b.fmul(cosine, square2, flags=FAST_MATH), head, flags=FAST_MATH)
@@ -1163,37 +1161,28 @@ class FunctionEmitter:
         c = functools.partial(self._splat_const, x.type)
         ax = b.call(self._intrinsic("llvm.fabs", x.type), [x])
         t = b.fdiv(c(1.0), b.fadd(c(1.0), b.fmul(c(0.3275911), ax)))
-        poly = c(1.061405429)
-        for coefficient in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
-            poly = b.fadd(b.fmul(poly, t, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
+        poly = self._horner(
+            b, t, (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+        )
         poly = b.fmul(poly, t)
         decay = self._fast_exp(b, b.fneg(b.fmul(ax, ax)))
         magnitude = b.fsub(c(1.0), b.fmul(poly, decay))
         copysign = self._declare(f"llvm.copysign.{_suffix(x.type)}", x.type, [x.type, x.type])
         far = b.call(copysign, [magnitude, x])
         square = b.fmul(x, x)
-        series = c(ERF_MINIMAX[-1])
-        for coefficient in ERF_MINIMAX[-2::-1]:
-            series = b.fadd(
-                b.fmul(series, square, flags=FAST_MATH), c(coefficient), flags=FAST_MATH
-            )
-        near = b.fmul(x, series)
+        near = b.fmul(x, self._horner(b, square, ERF_MINIMAX[::-1]))
         return b.select(b.fcmp_ordered("<", ax, c(ERF_SERIES_BELOW)), near, far)
 
     def _fast_tanh(self, b, x):
         """1 - 2 / (e^2x + 1), which is off by about an ulp of 1 (1.2e-7): relatively good
         from |x| = TANH_SERIES_BELOW on, but near 0, where tanh x ~ x, hundreds of ulps
-        (tanh(1e-3) 6e-5 off). There x + x^3 P(x^2) (TANH_MINIMAX, 5e-9 relative) is taken."""
+        (tanh(1e-3) 6e-5 off). There x (1 + x^2 P(x^2)) (TANH_MINIMAX, 5e-9 relative) is taken."""
         c = functools.partial(self._splat_const, x.type)
         e = self._fast_exp(b, b.fmul(x, c(2.0)))
         far = b.fsub(c(1.0), b.fdiv(c(2.0), b.fadd(e, c(1.0))))
         square = b.fmul(x, x)
-        poly = c(TANH_MINIMAX[-1])
-        for coefficient in TANH_MINIMAX[-2::-1]:
-            poly = b.fadd(b.fmul(poly, square, flags=FAST_MATH), c(coefficient), flags=FAST_MATH)
         # x (1 + x^2 P), not x + x^3 P, so that tanh(-0) stays -0 (-0 + 0 would be +0).
-        near = b.fadd(b.fmul(poly, square, flags=FAST_MATH), c(1.0), flags=FAST_MATH)
-        near = b.fmul(x, near)
+        near = b.fmul(x, self._horner(b, square, (*TANH_MINIMAX[::-1], 1.0)))
         magnitude = b.call(self._intrinsic("llvm.fabs", x.type), [x])
         return b.select(b.fcmp_ordered("<", magnitude, c(TANH_SERIES_BELOW)), near, far)
 
