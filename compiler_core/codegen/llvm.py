@@ -930,7 +930,7 @@ class FunctionEmitter:
             one = ir.Constant(x.type, 1.0)
             return b.fdiv(one, b.fadd(one, exp, flags=FAST_MATH), flags=FAST_MATH)
         if op in LIBM:
-            scalar = memory_type(dtype)
+            scalar = _register_type(dtype)  # bfloat16 lanes are float32 registers
             fn = self._declare(LIBM[op][dtype], scalar, [scalar])
             if not isinstance(x.type, ir.VectorType):
                 return b.call(fn, [x])
