@@ -179,6 +179,16 @@ def unary_kernel(size: int, lanes: int, op: str = "exp", dtype: str = "float32")
     return apply(func, [Split("out_i0", lanes), Vectorize("out_i0_i")])
 
 
+def run_unary(op: str, x: np.ndarray, tmp_path, target=TARGET) -> np.ndarray:
+    """`op` over x (float32, a multiple of 16 long) as vector code for `target`, run here."""
+    func = unary_kernel(x.size, target.vector_lanes, op)
+    obj = emit_object(build_module([func], target), target)
+    library = KernelLibrary(link_shared([obj], tmp_path / f"{op}.so"))
+    y = np.empty_like(x)
+    library.call(f"vector_{op}", [x, y])
+    return y
+
+
 @pytest.mark.parametrize("op", ["sin", "cos"])
 def test_vector_sine_is_within_2e7_inline_and_exact_past_its_limit(op, tmp_path):
     """sin and cos inline against float64 up to |x| = 2^21 (densely near 0, where sin is
@@ -191,9 +201,7 @@ def test_vector_sine_is_within_2e7_inline_and_exact_past_its_limit(op, tmp_path)
     inline = np.resize(inline, -(-inline.size // 16) * 16)
     far = np.float32([3e6, -1e9, 3e38, np.inf, -np.inf, np.nan, 1.0, 2.0] * 2)
     x = np.concatenate([inline, far])
-    library = compile_funcs([unary_kernel(x.size, TARGET.vector_lanes, op)], tmp_path)
-    y = np.empty_like(x)
-    library.call(f"vector_{op}", [x, y])
+    y = run_unary(op, x, tmp_path)
     with np.errstate(invalid="ignore"):  # sin and cos of inf are NaN
         exact = getattr(np, op)(x.astype(np.float64))
         libm = getattr(np, op)(x[inline.size :])
@@ -215,9 +223,7 @@ def test_vector_tanh_is_relatively_exact_near_zero_and_within_an_ulp_of_one_beyo
     specials = [0.0, -0.0, np.inf, -np.inf, np.nan, 0.55, -0.55, 1.0]
     x = np.concatenate([near, far, specials]).astype(np.float32)
     x = np.resize(x, -(-x.size // 16) * 16)
-    library = compile_funcs([unary_kernel(x.size, TARGET.vector_lanes, "tanh")], tmp_path)
-    y = np.empty_like(x)
-    library.call("vector_tanh", [x, y])
+    y = run_unary("tanh", x, tmp_path)
     expected = np.tanh(x.astype(np.float64))
     small = np.abs(x) < 0.6
     ulps = np.abs(y - expected)[small] / np.spacing(np.abs(expected[small]).astype(np.float32))
@@ -238,9 +244,7 @@ def test_vector_erf_is_relatively_exact_near_zero_and_within_2e7_beyond(tmp_path
     far = np.linspace(-8.0, 8.0, 1 << 18)
     x = np.concatenate([near, far, [0.0, -0.0, np.inf, -np.inf, 0.5, -0.5, 1.0, 2.0]])
     x = np.resize(x.astype(np.float32), -(-x.size // 16) * 16)
-    library = compile_funcs([unary_kernel(x.size, TARGET.vector_lanes, "erf")], tmp_path)
-    y = np.empty_like(x)
-    library.call("vector_erf", [x, y])
+    y = run_unary("erf", x, tmp_path)
     expected = scipy.special.erf(x.astype(np.float64))
     small = np.abs(x) < 0.5
     ulps = np.abs(y - expected)[small] / np.spacing(np.abs(expected[small]).astype(np.float32))
@@ -270,9 +274,7 @@ def test_vector_log_is_within_two_ulps_and_keeps_ieee_specials(tmp_path):
     specials = np.float32([0.0, -0.0, np.inf, -1.0, -np.inf, np.nan, 1.0, tiny])
     x = np.concatenate([spread, near_one, specials])
     x = np.resize(x, -(-x.size // 16) * 16)
-    library = compile_funcs([unary_kernel(x.size, TARGET.vector_lanes, "log")], tmp_path)
-    y = np.empty_like(x)
-    library.call("vector_log", [x, y])
+    y = run_unary("log", x, tmp_path)
     positive = np.isfinite(x) & (x > 0)
     expected = np.log(x[positive].astype(np.float64))
     ulps = np.abs(y[positive] - expected) / np.spacing(np.abs(expected).astype(np.float32))
@@ -293,10 +295,7 @@ def test_vector_exp_is_within_four_ulps_from_flt_min_to_flt_max(isa, tmp_path):
     near_zero = np.linspace(-1.0, 1.0, 1 << 16, dtype=np.float32)
     x = np.concatenate([whole, near_zero, np.float32([0.0, -0.0, 88.7228, low])])
     x = np.resize(x, -(-x.size // 16) * 16)
-    obj = emit_object(build_module([unary_kernel(x.size, target.vector_lanes)], target), target)
-    library = KernelLibrary(link_shared([obj], tmp_path / "exp.so"))
-    y = np.empty_like(x)
-    library.call("vector_exp", [x, y])
+    y = run_unary("exp", x, tmp_path, target)
     expected = np.exp(x.astype(np.float64))
     ulps = np.abs(y - expected) / np.spacing(expected.astype(np.float32))
     assert ulps.max() <= 4, x[ulps.argmax()]
