@@ -134,9 +134,10 @@ def _neutral(rw: _Rewriter, node: Node):
     return None
 
 
-def _scalar(rw: _Rewriter, value: str) -> float | None:
+def _scalar(rw: _Rewriter, value: str, kinds: str = "f") -> float | None:
+    """A one-element constant of a dtype kind in `kinds` (float by default), as a float."""
     constant = rw.value(value)
-    if constant is None or constant.size != 1 or constant.dtype.kind != "f":
+    if constant is None or constant.size != 1 or constant.dtype.kind not in kinds:
         return None
     return float(constant.reshape(()))
 
@@ -263,13 +264,10 @@ def _spelled_power(rw: _Rewriter, node: Node) -> bool:
     if len(node.inputs) != 2:
         return False
     x, out = node.inputs[0], node.outputs[0]
-    exponent = rw.value(node.inputs[1])
-    if exponent is None or exponent.size != 1 or rw.types[x] != rw.types[out]:
+    power = _scalar(rw, node.inputs[1], kinds="fiu")
+    if power not in SPELLED_POWERS or rw.types[x] != rw.types[out]:
         return False
     if rw.types[x].dtype not in ("float16", "bfloat16", "float32", "float64"):
-        return False
-    power = float(np.asarray(exponent).reshape(()))
-    if power not in SPELLED_POWERS:
         return False
     if power == 1:
         rw.removed.add(node.name)
