@@ -20,6 +20,7 @@ from compiler_core import te
 from compiler_core.codegen import llvm as codegen
 from compiler_core.codegen.native import compile_kernels, emit_object
 from compiler_core.graph.ir import Graph, TensorType
+from compiler_core.graph.ops.tensor import BYTE_VIEWS
 from compiler_core.graph.verify import groups_partition
 from compiler_core.kernels import KERNELS, KernelContext, KernelError, weight_prefetch
 from compiler_core.kernels.schedules import StageInfo, default_schedule, transposed_read_tiles
@@ -225,11 +226,39 @@ def largest_scratch(kernels: Sequence[GroupKernel], threads: int) -> tuple[int, 
 
 def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:
     """Liveness-based reuse: an intermediate's bytes are free once its last reader ran; the
-    operands of a Concat joined in place live inside its output (`concat_aliases`)."""
+    operands of a Concat joined in place live inside its output (`concat_aliases`), and a
+    view of an intermediate in the bytes it views (`view_aliases`)."""
     external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
     sizes = {value: graph.types[value].nbytes for k in kernels for value in k.outputs}
     steps = [(k.inputs, k.outputs) for k in kernels]
-    return plan_buffers(steps, sizes, external, aliases=concat_aliases(graph))
+    aliases = {**concat_aliases(graph), **view_aliases(graph)}
+    return plan_buffers(steps, sizes, external, aliases=aliases)
+
+
+def view_aliases(graph: Graph) -> dict[str, tuple[str, int]]:
+    """{view: (the value it views, 0)} for the groups that are one view op of an intermediate
+    (`BYTE_VIEWS`): a view read by several kernels, or by a kernel that reads no fused
+    producer (a GEMM's operand), is a group of its own, and a copy of it would move every
+    byte through memory for nothing (ShuffleNet's pointwise convs as MatMuls read a reshape
+    of a value a residual Add reads too). Values a Concat joins in place are left to it."""
+    external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
+    joins = _concat_joins(graph)
+    in_joins = set(joins) | {joined for joined, _ in joins.values()}
+    direct: dict[str, str] = {}
+    for group in graph.groups:
+        if len(group.nodes) != 1 or graph.node_by_name[group.nodes[0]].op not in BYTE_VIEWS:
+            continue
+        node = graph.node_by_name[group.nodes[0]]
+        source, view = node.inputs[0], node.outputs[0]
+        if {source, view} & (external | in_joins):
+            continue
+        direct[view] = source
+    aliases = {}
+    for view, source in direct.items():
+        while source in direct:  # a view of a view lives in the first one's source
+            source = direct[source]
+        aliases[view] = (source, 0)
+    return aliases
 
 
 def concat_aliases(graph: Graph) -> dict[str, tuple[str, int]]:
@@ -474,13 +503,13 @@ def build_kernels(
         raise ValueError(
             f"{problems[0]}: build a graph the pipeline fused (passes.pipeline.optimize)"
         )
-    in_place = {joined for joined, _ in _concat_joins(graph).values()}
+    in_place = {joined for joined, _ in _concat_joins(graph).values()} | set(view_aliases(graph))
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)
         chosen = (choices or {}).get(group.name)
         if set(group_outputs(graph, _nodes(graph, group))) & in_place:
-            kernels.append(_joined_in_place(graph, group, index, target, prefix))
+            kernels.append(_written_in_place(graph, group, index, target, prefix))
             continue
         kernels.append(build_group(graph, group, index, target, override, prefix, chosen))
     if prefetch_weights:
@@ -492,10 +521,11 @@ def _nodes(graph: Graph, group) -> list:
     return [graph.node_by_name[name] for name in group.nodes]
 
 
-def _joined_in_place(graph: Graph, group, index: int, target: Target, prefix: str):
+def _written_in_place(graph: Graph, group, index: int, target: Target, prefix: str):
     """The kernel of a Concat whose operands the memory plan puts in place inside its output
-    (`concat_aliases`): their producers wrote the joined value already, so it does nothing.
-    It keeps its place in the plan (one kernel per group, as the profile and manifest read)."""
+    (`concat_aliases`), or of a view that lives in the bytes it views (`view_aliases`): the
+    producers wrote its value already, so it does nothing. It keeps its place in the plan
+    (one kernel per group, as the profile and manifest read)."""
     lowered = lower_group(graph, group, index, target)
     func = dataclasses.replace(lowered.func, name=prefix + lowered.func.name, body=Block(()))
     return GroupKernel(prefix + lowered.name, func, lowered.inputs, lowered.outputs, [], {}, [])

@@ -10,7 +10,12 @@ Rules, written against pattern kinds only (TVM's):
   MobileNet block's expand -> depthwise pair, both channel-blocked): the kernel then computes
   the expanded channels a tile of rows at a time, in cache, instead of writing the widest
   tensor of the block to memory and reading it back;
-- OPAQUE ops stay alone.
+- OPAQUE ops stay alone;
+- a view that only heavy ops read (a Reshape of a conv's data to a pointwise conv's GEMM
+  operand) stays alone too: the memory plan puts it in the bytes it views and its kernel
+  copies nothing (`build.view_aliases`), where joining its producer's group would make that
+  group write in the view's shape (a layout transform's blocked reads lose their register
+  transpose: ShuffleNet's 2 -> 9 us).
 
 A node joins its producer's group only through a value that no one else reads (and that is
 not a graph output), and only when none of its other inputs depends on that group: the
@@ -24,6 +29,7 @@ import dataclasses
 from compiler_core.graph.ir import FusionGroup, Graph, Node, OpKind
 from compiler_core.graph.ops import OP_TABLE
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
+from compiler_core.graph.ops.tensor import BYTE_VIEWS
 
 NAME = "fuse_operators"
 HEAVY = (OpKind.OUT_ELEMWISE_FUSABLE, OpKind.REDUCTION)
@@ -109,7 +115,7 @@ def _execution_order(reads: list[set[int]]) -> list[int]:
 
 
 def _choose_group(graph, node, kind, group_of, groups, reads) -> int | None:
-    if kind == OpKind.OPAQUE:
+    if kind == OpKind.OPAQUE or _view_for_heavy_ops(graph, node):
         return None
     candidates = []
     for value in node.inputs:
@@ -134,6 +140,13 @@ def _choose_group(graph, node, kind, group_of, groups, reads) -> int | None:
     # residual Add that is the main path's conv, not the shortcut's.
     anchored = [g for g in candidates if groups[g].anchor_kind is not None]
     return (anchored or candidates)[0]
+
+
+def _view_for_heavy_ops(graph: Graph, node: Node) -> bool:
+    """Whether `node` is a byte view (`BYTE_VIEWS`) whose readers are all heavy ops."""
+    readers = graph.consumers.get(node.outputs[0], ())
+    heavy = all(kind_of(reader) in HEAVY for reader in readers)
+    return node.op in BYTE_VIEWS and bool(readers) and heavy
 
 
 def _expands_into_depthwise(graph: Graph, anchor: Node | None, node: Node) -> bool:

@@ -1,9 +1,10 @@
 """The one ordered pass pipeline. Each entry is (name, run); any stage can be dumped by name.
 
-One pass depends on the target: the layout pass blocks channels by the target's vector width.
-`pipeline(target)` binds it (a GPU target keeps NCHW: threads of a warp read consecutive
-positions of one channel, and channel blocks for vector registers are a CPU decision); every
-other pass is target-independent.
+Two passes depend on the target: the layout pass blocks channels by the target's vector width,
+and the 1x1 convs it leaves on plain data become MatMuls over their pixels. `pipeline(target)`
+binds the first and keeps both for CPU targets only (a GPU target keeps NCHW: threads of a
+warp read consecutive positions of one channel, and channel blocks for vector registers are a
+CPU decision); every other pass is target-independent.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from compiler_core.passes import (
     fold_constants,
     fuse_operators,
     hoist_gathers,
+    pointwise_matmul,
     simplify_inference,
     simplify_views,
     split_gemm_columns,
@@ -34,18 +36,19 @@ from compiler_core.target import Target, host_target
 Pass = Callable[[Graph], Graph]
 
 
-def _keep_layout(graph: Graph) -> Graph:
+def _unchanged(graph: Graph) -> Graph:
     return graph
 
 
 def pipeline(target: Target) -> tuple[tuple[str, Pass], ...]:
     if target.is_gpu:
-        layout: Pass = _keep_layout
+        bound: dict[Pass, Pass] = dict.fromkeys(CPU_ONLY, _unchanged)
     else:
         layout = functools.partial(
             transform_layout.run, lanes=target.vector_lanes, fma_lanes=target.fma_lanes
         )
-    return tuple((name, layout if run is transform_layout.run else run) for name, run in PIPELINE)
+        bound = {transform_layout.run: layout}
+    return tuple((name, bound.get(run, run)) for name, run in PIPELINE)
 
 
 # The passes in order (the layout pass unbound: `pipeline(target)` gives the runnable list).
@@ -65,9 +68,13 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("eliminate_dead_code", eliminate_dead_code.run),
     ("decompose_conv_transpose", decompose_conv_transpose.run),
     ("transform_layout", transform_layout.run),
+    ("pointwise_matmul", pointwise_matmul.run),
     ("clone_shared_views", clone_shared_views.run),
     ("fuse_operators", fuse_operators.run),
 )
+
+# The passes a GPU target skips (its graph stays in NCHW, its convs as convs).
+CPU_ONLY: tuple[Pass, ...] = (transform_layout.run, pointwise_matmul.run)
 
 PASS_NAMES = tuple(name for name, _ in PIPELINE)
 

@@ -279,8 +279,9 @@ def shuffle_unit():
 
 # Grouped convs whose groups no vector block divides stay plain (the layout pass blocks a
 # grouped conv only in whole blocks a group); each group's filters are padded to whole blocks.
+# (A float32 1x1 conv of plain data is a MatMul instead: tests/passes/test_pointwise_matmul.py.)
 PADDED_GROUP_CASES = {
-    "shufflenet_groups_of_34_1x1": lambda: conv_case(136, 136, [7, 9], 1, group=4),
+    "groups_of_34_3x3": lambda: conv_case(136, 136, [7, 9], 3, pad=1, group=4),
     "groups_of_10_no_bias": lambda: conv_case(20, 20, [9, 11], 3, pad=1, group=2, bias=False),
     "groups_of_12_in_18_out_strided": lambda: conv_case(24, 36, [9, 10], 3, 2, 1, group=2),
     "groups_of_12_padded_past_a_block_of_4": lambda: conv_case(24, 24, [6, 7], 3, pad=1, group=2),

@@ -207,6 +207,10 @@ def _size_values(node, types):
     return [np.array(types[0].size, dtype=np.int64)]
 
 
+# Ops whose output holds their first input's bytes in the same order, only shaped anew: a
+# kernel of one of them alone copies nothing (`build.view_aliases`).
+BYTE_VIEWS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+
 OPS: dict[str, OpDef] = {
     "Reshape": opdef("Reshape", OpKind.INJECTIVE, _reshape_rule, _reshape),
     "Transpose": opdef("Transpose", OpKind.INJECTIVE, _transpose_rule, _transpose),
