@@ -184,6 +184,46 @@ def test_a_group_division_keeps_the_lane_where_it_may_cross_a_group():
     assert mentions(simplify_expr(index, {"lane": 16, "f": 504}), "lane")
 
 
+def test_a_reshaped_row_index_drops_whole_multiples_and_decided_remainders():
+    """[1, 136, 28, 28] read as [4, 34, 784]: row (952*g + 28*c + p // 28) % 28 is p // 28
+    (p < 784), column p % 28; the flat address is then unit-stride in the lane."""
+    from compiler_core.loop.ir import Binary
+    from compiler_core.loop.transform import lane_stride
+
+    g, c, lane, o = Var("g"), Var("c"), Var("lane"), Var("o")
+    p = lane + o * 16
+    d = Const(28, INDEX)
+    row = Binary("mod", g * 952 + c * 28 + Binary("floordiv", p, d), d)
+    ranges = {"g": 4, "c": 34, "lane": 16, "o": 49}
+    simplified = simplify_expr(row, ranges)
+    assert simplified == simplify_expr(Binary("floordiv", p, d))
+    flat = (g * 34 + c) * 784 + simplified * 28 + Binary("mod", p, d)
+    assert lane_stride(simplify_expr(flat), "lane") == 1
+    for values in (
+        {"g": k % 4, "c": k % 34, "lane": k % 16, "o": k % 49} for k in range(0, 4 * 34 * 49, 7)
+    ):
+        assert _evaluate(simplified, values) == _evaluate(row, values)
+
+
+@pytest.mark.parametrize("op", ["floordiv", "mod"])
+@pytest.mark.parametrize("offset", [0, 5, 30, -3])
+def test_whole_multiples_leave_a_division_of_terms_exactly(op, offset):
+    """(d*A + B) // d = A + B // d and (d*A + B) % d = B % d, A and B holding divisions of
+    loop variables, B's range undecided (offset 30 or -3) or decided (0, 5): checked over
+    every value."""
+    from compiler_core.loop.ir import Binary
+
+    x, y = Var("x"), Var("y")
+    a = Binary("floordiv", x, Const(3, INDEX)) * 24 + y * 8
+    b = Binary("mod", x * 5 + y, Const(6, INDEX)) + Const(offset, INDEX)
+    index = Binary(op, a + b, Const(8, INDEX))
+    ranges = {"x": 11, "y": 5}
+    simplified = simplify_expr(index, ranges)
+    for values in ({"x": k % 11, "y": k // 11} for k in range(55)):
+        assert _evaluate(simplified, values) == _evaluate(index, values), values
+    assert len(str(simplified)) < len(str(index))
+
+
 def _evaluate(e, values):
     from compiler_core.loop.ir import Binary
 
