@@ -15,7 +15,10 @@ blocked data (a segmentation head of 2 classes after a blocked chain): when
 they do not fill whole blocks (ShuffleNet's 58, the 230 of R(2+1)D's mid planes) the last block
 is padded (see `graph/ops/layout.py`), so that an odd channel count never leaves the fast
 path; or a conv whose groups' input and output channels are multiples of the block, or whose
-groups are smaller than a block and fill it (as many inputs as outputs per group). Not blocked:
+groups are smaller than a block and fill it (as many inputs as outputs per group), except a
+pointwise conv whose groups fill only half-vector blocks on a core whose FMAs take a whole
+vector at once (ShuffleNet's groups of 136 in blocks of 8 on Zen 5): it stays plain and runs
+as a MatMul over its pixels (`pointwise_matmul`; ShuffleNet x0.93). Not blocked:
 a 1-D conv of plain data with a short reduction (`im2col_conv`: a raw-audio stem) whose output
 no reader could take blocked; it runs as a GEMM that writes its plain output directly. Nor a
 depthwise 2-D conv of plain data with few taps for its stride (up to 5x5 at stride 1, 3x3 at
@@ -374,12 +377,21 @@ def _conv_block(
     # Grouped: every channel block lies inside one group, on the input side and the output;
     in_per_group, out_per_group = w.shape[1], out_channels // group
     inside = next((b for b in blocks if in_per_group % b == 0 and out_per_group % b == 0), 0)
+    if inside and inside < min(blocks[0], fma_lanes) and _pointwise(graph, node):
+        return 0  # half a vector a block: a MatMul over its pixels (`pointwise_matmul`)
     if inside or in_per_group != out_per_group:
         return inside
     # or, for groups smaller than a block (ResNeXt's 4 channels per group), a block holds whole
     # groups, input and output alike, and its filters are block-diagonal: the smallest block
     # wastes least on the zeros between groups.
     return next((b for b in reversed(blocks) if b % in_per_group == 0 and out_channels % b == 0), 0)
+
+
+def _pointwise(graph: Graph, node: Node) -> bool:
+    """A 1x1, stride-1, unpadded conv (what `pointwise_matmul` takes on plain data)."""
+    pads, strides, _ = spatial_params(node, graph.types[node.inputs[0]].rank - 2)
+    kernel = graph.types[node.inputs[1]].shape[2:]
+    return set(kernel) == {1} and set(strides) == {1} and not any(pads)
 
 
 def run(graph: Graph, lanes: int = 16, fma_lanes: int = 8) -> Graph:
