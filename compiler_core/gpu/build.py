@@ -5,7 +5,9 @@ GPU schedules, split into device kernels (one per top-level loop nest: a kernel 
 the only grid-wide barrier) and checked against the target's limits. Identical kernels are
 emitted once. The plan lists the launches in order with the values each argument names: a
 graph value, a weight, or a group's scratch buffer (`<group>/<buffer>`), all placed in one
-device workspace by the same liveness-based planner as the CPU's.
+device workspace by the same liveness-based planner as the CPU's; a view of an intermediate
+in its group of its own (`build.view_aliases`) is launched as nothing, its value placed in the
+bytes it views.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from compiler_core.build import (
     WeightsLayout,
     lower_group,
     plan_buffers,
+    view_aliases,
     weight_arrays,
 )
 from compiler_core.gpu.kernels import device_kernels
@@ -107,7 +110,13 @@ def build_gpu_graph(graph: Graph, target: Target, schedules=None) -> GpuModel:
     symbols: dict[str, str] = {}  # code key -> the first kernel's name
     functions: list[PrimFunc] = []
     applied: dict[str, list[Record]] = {}
+    aliases = view_aliases(graph)
     for index, group in enumerate(graph.groups):
+        node = graph.node_by_name[group.nodes[0]]
+        if len(group.nodes) == 1 and node.outputs[0] in aliases:
+            # A view that lives in the bytes it views: no launch, only its place in the plan.
+            steps.append(([node.inputs[0]], [node.outputs[0]]))
+            continue
         override = (schedules or {}).get(group.name)
         lowered, records, kernels, scratch = build_group_kernels(
             graph, group, index, target, override
@@ -127,7 +136,7 @@ def build_gpu_graph(graph: Graph, target: Target, schedules=None) -> GpuModel:
     sizes.update({v: graph.types[v].nbytes for v in graph.types})
     external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
     packed = {name for g in lowered_groups for name in g.packed}
-    memory = plan_buffers(steps, sizes, external | packed, DEVICE_ALIGNMENT)
+    memory = plan_buffers(steps, sizes, external | packed, DEVICE_ALIGNMENT, aliases)
     arrays = weight_arrays(graph, lowered_groups)  # type: ignore[arg-type]
     weights = WeightsBlob(DEVICE_ALIGNMENT).layout(arrays)
     return GpuModel(

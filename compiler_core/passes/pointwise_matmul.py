@@ -25,8 +25,9 @@ The pass runs after the layout pass and only for CPU targets (`pipeline`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from compiler_core.graph.ir import Graph, Node
+from compiler_core.graph.ir import Graph, Node, TensorType
 from compiler_core.graph.ops.nn import conv_layouts, spatial_params
 from compiler_core.passes.rewrite import Decomposition
 
@@ -34,6 +35,13 @@ NAME = "pointwise_matmul"
 # The fewest input channels a group that a GEMM reduction is worth (a shorter one leaves the
 # kernel loading and storing more than it multiplies).
 MIN_REDUCTION = 4
+
+
+def is_pointwise(node: Node, types: Mapping[str, TensorType]) -> bool:
+    """Whether Conv `node` is a 1x1, stride-1, unpadded conv (its pixels a GEMM's columns)."""
+    pads, strides, _ = spatial_params(node, types[node.inputs[0]].rank - 2)
+    kernel = types[node.inputs[1]].shape[2:]
+    return set(kernel) == {1} and set(strides) == {1} and not any(pads)
 
 
 class _PointwiseAsMatMul(Decomposition):
@@ -46,9 +54,7 @@ class _PointwiseAsMatMul(Decomposition):
         bias = node.inputs[2] if len(node.inputs) > 2 else ""
         if bias and bias not in self.constants:
             return False
-        pads, strides, _ = spatial_params(node, x.rank - 2)
-        pointwise = all(k == 1 for k in w.shape[2:])
-        return pointwise and set(strides) == {1} and not any(pads) and w.shape[1] >= MIN_REDUCTION
+        return is_pointwise(node, self.types) and w.shape[1] >= MIN_REDUCTION
 
     def decompose(self, node: Node) -> None:
         x_type, w_type = (self.types[v] for v in node.inputs[:2])

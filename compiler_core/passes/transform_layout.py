@@ -50,6 +50,7 @@ from compiler_core.graph.ops.nn import spatial_params
 from compiler_core.graph.ops.reduce import reduce_axes
 from compiler_core.kernels.nn import im2col_conv
 from compiler_core.kernels.winograd import spatial_algorithms
+from compiler_core.passes.pointwise_matmul import is_pointwise
 
 NAME = "transform_layout"
 POOLS = ("MaxPool", "AveragePool")
@@ -377,7 +378,7 @@ def _conv_block(
     # Grouped: every channel block lies inside one group, on the input side and the output;
     in_per_group, out_per_group = w.shape[1], out_channels // group
     inside = next((b for b in blocks if in_per_group % b == 0 and out_per_group % b == 0), 0)
-    if inside and inside < min(blocks[0], fma_lanes) and _pointwise(graph, node):
+    if inside and inside < min(blocks[0], fma_lanes) and is_pointwise(node, graph.types):
         return 0  # half a vector a block: a MatMul over its pixels (`pointwise_matmul`)
     if inside or in_per_group != out_per_group:
         return inside
@@ -385,13 +386,6 @@ def _conv_block(
     # groups, input and output alike, and its filters are block-diagonal: the smallest block
     # wastes least on the zeros between groups.
     return next((b for b in reversed(blocks) if b % in_per_group == 0 and out_channels % b == 0), 0)
-
-
-def _pointwise(graph: Graph, node: Node) -> bool:
-    """A 1x1, stride-1, unpadded conv (what `pointwise_matmul` takes on plain data)."""
-    pads, strides, _ = spatial_params(node, graph.types[node.inputs[0]].rank - 2)
-    kernel = graph.types[node.inputs[1]].shape[2:]
-    return set(kernel) == {1} and set(strides) == {1} and not any(pads)
 
 
 def run(graph: Graph, lanes: int = 16, fma_lanes: int = 8) -> Graph:

@@ -196,3 +196,28 @@ def test_a_view_of_a_view_lives_in_the_first_ones_source():
     relu = next(n for n in graph.nodes if n.op == "Relu").outputs[0]
     assert set(view_aliases(graph).values()) == {(relu, 0)}
     check_compiled(model, {"x": rand(2, 3, 4, 4)})
+
+
+def test_on_a_gpu_a_view_for_a_gemm_is_launched_as_nothing():
+    """The CUDA plan places the view in its source's bytes and launches no copy for it."""
+    from compiler_core.gpu.build import build_gpu_graph
+
+    model = make_model(
+        [
+            helper.make_node("Relu", ["x"], ["r"], name="relu"),
+            helper.make_node("Reshape", ["r", "shape"], ["v"], name="view"),
+            helper.make_node("MatMul", ["w", "v"], ["y"], name="gemm"),
+            helper.make_node("Add", ["r", "r"], ["z"], name="twice"),
+        ],
+        [("x", FLOAT, [1, 8, 4, 4])],
+        [("y", FLOAT, [4, 16]), ("z", FLOAT, [1, 8, 4, 4])],
+        {"shape": np.array([8, 16], np.int64), "w": rand(4, 8)},
+    )
+    cuda = parse_target("cuda -arch=sm_90")
+    graph = optimize(import_model(model), target=cuda)
+    (view,) = view_aliases(graph)
+    gpu = build_gpu_graph(graph, cuda)
+    assert gpu.memory.offsets[view] == gpu.memory.offsets["r"]
+    launched = [launch.kernel for launch in gpu.launches]
+    assert not any("view" in kernel for kernel in launched), launched
+    assert any(view in launch.args for launch in gpu.launches)  # the GEMM reads it
