@@ -30,6 +30,16 @@ def test_softplus_is_x_past_where_e_to_the_x_overflows():
     expected = np.logaddexp(0.0, X.astype(np.float64))
     np.testing.assert_allclose(y, expected, rtol=2e-6, atol=1e-30)
     assert y[X == 100][0] == 100 and np.isfinite(y).all()
+    # ln1p(e^-|x|) as a polynomial: within a few ulps wherever the result is normal
+    normal = expected > np.finfo(np.float32).tiny
+    np.testing.assert_allclose(y[normal], expected[normal], rtol=4e-7)
+
+
+def test_softplus_in_float64_keeps_its_precision():
+    """Double precision takes Goldberg's ln1p (the polynomial is a float32 one)."""
+    x = X.astype(np.float64)
+    y = run_unary("Softplus", x, dtype=TensorProto.DOUBLE)
+    np.testing.assert_allclose(y, np.logaddexp(0.0, x), rtol=1e-14, atol=1e-300)
 
 
 def test_mish_in_one_exp_matches_its_definition():
