@@ -112,10 +112,10 @@ def build_gpu_graph(graph: Graph, target: Target, schedules=None) -> GpuModel:
     applied: dict[str, list[Record]] = {}
     aliases = view_aliases(graph)
     for index, group in enumerate(graph.groups):
-        node = graph.node_by_name[group.nodes[0]]
-        if len(group.nodes) == 1 and node.outputs[0] in aliases:
+        view = graph.node_by_name[group.nodes[0]]  # an alias's group is that one view
+        if view.outputs[0] in aliases:
             # A view that lives in the bytes it views: no launch, only its place in the plan.
-            steps.append(([node.inputs[0]], [node.outputs[0]]))
+            steps.append(([view.inputs[0]], [view.outputs[0]]))
             continue
         override = (schedules or {}).get(group.name)
         lowered, records, kernels, scratch = build_group_kernels(

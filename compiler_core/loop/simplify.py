@@ -144,38 +144,37 @@ def _joined_divmod(e: Expr) -> Expr | None:
 
 
 def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
-    """(c*A + B) // c -> A and (c*A + B) % c -> B when 0 <= B < c for every loop value:
-    what split and fuse leave behind in packed-layout indices."""
+    """(d*A + B) // d -> A + B // d and (d*A + B) % d -> B % d for any index terms A (floor
+    division and modulo ignore whole multiples of the divisor whatever the sign), and further
+    B // d -> 0, B % d -> B where the loop ranges hold B in [0, d), B a sum of loop variables
+    and their floor divisions and modulos by constants (`_terms_range`); else a lane beside a
+    block index (`_divmod_by_common_factor`). What split, fuse and reshape leave behind: a
+    packed layout's (c*A + B) // c is A; [1, 136, 28, 28] read as [4, 34, 784] reads row
+    (952*g + 28*c + p // 28) % 28, which is p // 28 for p < 784 (left as it was, the address
+    moved with the lane as far as codegen could tell, and every lane of that Reshape's copy
+    loaded on its own: 80 us for 426 KB)."""
     if not isinstance(e, Binary) or e.op not in ("floordiv", "mod") or e.dtype != INDEX:
         return None
     if not isinstance(e.b, Const) or e.b.value <= 0:
         return None
-    form = affine(e.a)
-    if form is None or any(name not in ranges for name in form[0]):
-        return _divmod_by_common_factor(e, ranges) or _divmod_of_terms(e, ranges)
-    divisor = e.b.value
-    coeffs, constant = form
-    quotient = {v: c // divisor for v, c in coeffs.items() if c % divisor == 0}
-    rest = {v: c for v, c in coeffs.items() if c % divisor}
+    divisor = int(e.b.value)
+    terms, constant = _terms(e.a)
+    whole = {t: c // divisor for t, c in terms.items() if c % divisor == 0}
+    rest = {t: c for t, c in terms.items() if c % divisor}
     q0, r0 = divmod(constant, divisor)
-    low = r0 + sum(min(0, c * (ranges[v] - 1)) for v, c in rest.items())
-    high = r0 + sum(max(0, c * (ranges[v] - 1)) for v, c in rest.items())
-    if low >= 0 and high < divisor:
-        if e.op == "floordiv":
-            return canonical({v: c for v, c in quotient.items() if c}, q0)
-        return canonical(rest, r0)
+    remainder = _sum_of_terms(rest, r0)
+    span = _terms_range(remainder, ranges)
+    if span is not None and span[0] >= 0 and span[1] < divisor:
+        return remainder if e.op == "mod" else _sum_of_terms(whole, q0)
     common = _divmod_by_common_factor(e, ranges)
     if common is not None:
         return common
-    if not quotient and q0 == 0:
+    if not whole and not q0:
         return None
-    # Floor division and modulo ignore whole multiples of the divisor whatever the sign:
-    # (d*A + B) // d = A + B // d and (d*A + B) % d = B % d. Dropping them leaves the small
-    # remainder expression (the lane part of a fused or reshaped index), not the whole index.
-    remainder = Binary(e.op, canonical(rest, r0), e.b)
-    if e.op == "mod":
-        return remainder
-    return Binary("add", canonical({v: c for v, c in quotient.items() if c}, q0), remainder)
+    # Dropping the multiples leaves the small remainder expression (the lane part of a fused
+    # or reshaped index), not the whole index.
+    reduced = Binary(e.op, remainder, e.b)
+    return reduced if e.op == "mod" else Binary("add", _sum_of_terms(whole, q0), reduced)
 
 
 def _divmod_by_common_factor(e: Binary, ranges: Mapping[str, int]) -> Expr | None:
@@ -208,31 +207,6 @@ def _divmod_by_common_factor(e: Binary, ranges: Mapping[str, int]) -> Expr | Non
         scaled = Binary("mul", Binary("mod", blocks, groups), Const(factor, INDEX))
         return Binary("add", scaled, rest)
     return None
-
-
-def _divmod_of_terms(e: Binary, ranges: Mapping[str, int]) -> Expr | None:
-    """(d*A + B) // d -> A + B // d and (d*A + B) % d -> B % d for any index terms A, and
-    B // d -> 0, B % d -> B where the loop ranges hold B in [0, d), B made of loop variables
-    and their floor divisions and modulos by constants. A reshape's index leaves these behind:
-    [1, 136, 28, 28] read as [4, 34, 784] reads row (952*g + 28*c + p // 28) % 28, which is
-    p // 28 for p < 784; left as it was, the address moved with the lane as far as codegen
-    could tell, and every lane of the copy loaded on its own (80 us for 426 KB)."""
-    divisor = int(e.b.value)
-    terms, constant = _terms(e.a)
-    whole = {t: c // divisor for t, c in terms.items() if c % divisor == 0}
-    rest = {t: c for t, c in terms.items() if c % divisor}
-    q0, r0 = divmod(constant, divisor)
-    remainder = _sum_of_terms(rest, r0)
-    span = _terms_range(remainder, ranges)
-    if span is not None and span[0] >= 0 and span[1] < divisor:
-        reduced: Expr = remainder if e.op == "mod" else Const(0, INDEX)
-    elif whole or q0:
-        reduced = Binary(e.op, remainder, e.b)
-    else:
-        return None
-    if e.op == "mod":
-        return reduced
-    return Binary("add", _sum_of_terms(whole, q0), reduced)
 
 
 def _terms_range(e: Expr, ranges: Mapping[str, int]) -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ from tests.passes.test_views import check_compiled
 RNG = np.random.default_rng(17)
 AVX512 = parse_target("llvm -mcpu=znver5 -mattr=+avx512f")
 AVX2 = parse_target("llvm -mcpu=znver3 -mattr=+avx2,+fma")
+ZEN4 = parse_target("llvm -mcpu=znver4 -mattr=+avx512f")  # a zmm FMA in two halves
 
 
 def rand(*shape, scale=1.0):
@@ -119,9 +120,6 @@ def test_an_ungrouped_plain_pointwise_conv_is_a_2d_gemm():
 def test_other_convs_stay_convs(channels, group, kernel, stride):
     before = laid_out(shuffle_unit(channels=channels, group=group, kernel=kernel, stride=stride))
     assert pointwise_matmul.run(before) is before
-
-
-ZEN4 = parse_target("llvm -mcpu=znver4 -mattr=+avx512f")  # a zmm FMA in two halves
 
 
 @pytest.mark.parametrize(("target", "blocked"), [(AVX512, False), (ZEN4, True), (AVX2, True)])
