@@ -176,10 +176,12 @@ def workload_of(lowered: LoweredGroup, tunable: Tunable) -> tuple[str, str]:
 
 def flops_of(tunable: Tunable) -> float:
     """Multiply-adds x 2 of the anchor and, for a chained group, of the conv it computes
-    inside itself (an expand conv's, over its whole output)."""
+    inside itself (an expand conv's, over its whole output), or for attention of its scores
+    GEMM (the softmax's exponentials are not counted)."""
     stages = [tunable.anchor]
-    if tunable.anchor.note("producer") is not None:
-        stages.append(tunable.anchor.note("producer"))
+    for inner in ("producer", "scores"):
+        if tunable.anchor.note(inner) is not None:
+            stages.append(tunable.anchor.note(inner))
     return sum(2.0 * math.prod(s.shape) * math.prod(e for _, e in s.reduce_axes) for s in stages)
 
 

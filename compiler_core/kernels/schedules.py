@@ -94,7 +94,10 @@ def _inline_intermediates(stages: list[StageInfo]) -> tuple[list[Record], list[S
     records, kept = [], []
     for s in stages:
         keep_padding = s.name.startswith("pad") and s.name not in depthwise_reads
-        keep = keep_padding or kept_by_builder(s) or s.name in chained
+        # A row kernel's output that another stage reads (attention's probabilities, which
+        # its second GEMM reads once per column tile) is computed once, not at each read.
+        row_output = bool(s.note("row_stages"))
+        keep = keep_padding or kept_by_builder(s) or s.name in chained or row_output
         if s.pure and not s.output and not keep:
             records.append(ComputeInline(s.name))
         else:
@@ -1776,6 +1779,143 @@ def _expand_register_tile(producer: StageInfo, nest: _ExpandNest) -> list[Record
     ]
 
 
+# --- attention: S = Q K^T, its row softmax and Y = P V in one kernel ---------------------------
+
+# The fewest query rows a block computes where the GEMM of its scores has enough rows to keep
+# the FMA pipes busy; and the most (its S tile's accumulators and a row of K^T's vectors must
+# fit the registers, as must Y's).
+ATTENTION_MOST_ROWS = 16
+
+
+def attention_scores(y: StageInfo) -> StageInfo:
+    """The scores GEMM (S = Q K^T) an attention chain's Y reads through its softmax."""
+    return y.note("scores")
+
+
+def attention_softmax(y: StageInfo) -> StageInfo:
+    """The row softmax's output stage (P) an attention chain's Y reads."""
+    return y.note("softmax")
+
+
+def _attention_knobs(y: StageInfo, target: Target) -> tuple[Knob, ...]:
+    """Query rows per block (divisors of Y's rows, which its builder padded to its row
+    tile), the scores' column tile `nr` and Y's `y_nr` (a divisor of the head size). By
+    default two vectors of columns each and Y's own row tile where the tiles fit with it,
+    else the most rows that do."""
+    keys, width = attention_softmax(y).shape[-1], y.shape[-1]
+    lanes = target.vector_lanes
+    s_nrs = tuple(n for n in (8, 16, 32, 48, 64) if n <= keys) or (keys,)
+    default_s_nr = min(2 * lanes, keys) if 2 * lanes <= keys else s_nrs[-1]
+    y_nrs = tuple(n for n in (4, 8, 16, 32, 48, 64) if n <= width and width % n == 0)
+    default_y_nr = max((n for n in y_nrs if n <= 2 * lanes), default=y_nrs[0])
+    rows = tuple(r for r in range(1, ATTENTION_MOST_ROWS + 1) if y.shape[-2] % r == 0)
+
+    def fits(r: int) -> bool:
+        config = {"rows": r, "nr": default_s_nr, "y_nr": default_y_nr}
+        return _attention_fits(y, config, target)
+
+    noted = y.note("mr")
+    default_rows = noted if noted in rows and fits(noted) else max(filter(fits, rows))
+    return (
+        Knob("rows", rows, default_rows),
+        Knob("nr", s_nrs, default_s_nr),
+        Knob("y_nr", y_nrs, default_y_nr),
+    )
+
+
+def _attention_fits(y: StageInfo, config: Mapping[str, object], target: Target) -> bool:
+    """Both register tiles (rows x their column vectors, and a row of B) fit the registers."""
+    rows = int(config["rows"])
+    for nr in (int(config["nr"]), int(config["y_nr"])):
+        vectors = -(-nr // target.vector_lanes)
+        if rows * vectors + vectors > target.vector_registers:
+            return False
+    return True
+
+
+def attention_schedule(
+    y: StageInfo, epilogue: StageInfo | None, config: Mapping[str, object], target: Target
+) -> list[Record]:
+    """Attention in blocks of `rows` query rows (the parallel loop, with the batch and head
+    loops): per block, its scores S = Q K^T into a buffer of the thread's (register tiles of
+    `rows` x `nr` keys over the head size, a tail tile at the last keys), the softmax's row
+    statistics and probabilities over it in cache, then the block's rows of Y = P V
+    (register tiles of `rows` x `y_nr` over the keys), Y's epilogue in its store. The scores
+    of a head never leave the core's caches: unfused, each was written to memory and read
+    back twice."""
+    scores, softmax = attention_scores(y), attention_softmax(y)
+    rows = int(config["rows"])
+    records: list[Record] = []
+    for gemm in (scores, y):  # K^T and V read where they are: each is a kernel input
+        if gemm.note("pack"):
+            records.append(ComputeInline(gemm.note("pack")))
+    rank = len(y.shape)
+    batch_loops = [y.loop(k) for k in range(rank - 2)]
+    ((y_k, _),) = y.reduce_axes
+    width, y_nr = y.shape[-1], int(config["y_nr"])
+    block = Split(y.loop(rank - 2), rows)
+    columns = Split(y.loop(rank - 1), y_nr)
+    nest = _GemmNest(columns.outer, width // y_nr, columns.inner, y_nr, y.loop(rank - 2), y_k, "")
+    records.append(columns)
+    records += _gemm_tile(y, nest, block, [block.outer, columns.outer], target)
+    if epilogue is not None:
+        records.append(ReverseComputeInline(epilogue.name))
+    # The softmax (its output first, then the statistics it reads, last to first) and the
+    # scores, each computed inside the block for just its rows.
+    stats = softmax.note("row_stages")
+    at = {
+        name: ComputeAt(name, block.outer, CHAIN_MAX_TILE_BYTES)
+        for name in (softmax.name, *reversed(stats), scores.name)
+    }
+    records += at.values()
+    # The softmax's rows are the keys (the scores' columns may be padded past them to a panel).
+    keys = softmax.shape[-1]
+    records += _block_scores(scores, at[scores.name], rows, keys, int(config["nr"]), target)
+    records += _block_softmax(softmax, at, target)
+    fused, parallel = fuse_all([*batch_loops, block.outer])
+    return [*records, *fused, Parallel(parallel)]
+
+
+def _block_scores(
+    scores: StageInfo, at: ComputeAt, rows: int, keys: int, nr: int, target: Target
+) -> list[Record]:
+    """A block's scores (computed at the block by `at`): register tiles of its rows x `nr`
+    keys over the head size, whole tiles then one ending at the last key."""
+    rank = len(scores.shape)
+    i_loop, j_loop = at.moved(scores.loop(rank - 2)), at.moved(scores.loop(rank - 1))
+    ((k_loop, _),) = scores.reduce_axes
+    tail = gemm_column_tail(keys, nr, target.vector_lanes)
+    row_tile = Split(i_loop, rows)
+    if not tail:
+        whole = Split(j_loop, nr)
+        nest = _GemmNest(whole.outer, keys // nr, whole.inner, nr, i_loop, k_loop, "")
+        return [whole, *_gemm_tile(scores, nest, row_tile, [row_tile.outer, whole.outer], target)]
+    split = SplitOverlap(j_loop, nr, tail)
+    in_tail = split.in_tail
+    records: list[Record] = [Reorder((j_loop, i_loop, k_loop)), split]
+    main = _GemmNest(split.outer, keys // nr, split.inner, nr, i_loop, k_loop, "")
+    records += _gemm_tile(scores, main, row_tile, [split.outer, row_tile.outer], target)
+    last = _GemmNest(None, 1, split.tail_loop, tail, in_tail(i_loop), in_tail(k_loop), "_t")
+    tail_rows = Split(in_tail(i_loop), rows)
+    return records + _gemm_tile(scores, last, tail_rows, [tail_rows.outer], target)
+
+
+def _block_softmax(softmax: StageInfo, at: Mapping[str, ComputeAt], target: Target) -> list[Record]:
+    """The softmax over a block's rows of scores (its stages computed at the block): each
+    row's partial maxima and sums in vector registers, folded as trees, the exponentials and
+    probabilities vector by vector."""
+    rows, keys = softmax.note("rows"), softmax.shape[-1]
+    last = len(softmax.shape) - 1
+    records: list[Record] = []
+    for name in softmax.note("row_partials"):
+        records += row_partial_schedule(name, rows, at[name])
+    for name in softmax.note("row_folds", ()):
+        records += [CacheWrite(name, f"{name}_rl"), Vectorize(f"{name}_rl")]
+    for name in (*softmax.note("row_pure", ()), softmax.name):
+        records += _row_vectors(at[name].moved(f"{name}_i{last}"), keys, target)
+    return records
+
+
 # --- templates: the default schedules with their knobs --------------------------------------
 
 
@@ -1822,6 +1962,7 @@ TEMPLATES: dict[str, Template] = {
     "conv2d_nchwc_chain": Template(
         "conv2d_nchwc_chain", 2, _chain_knobs, nchwc_chain_schedule, _chain_fits
     ),
+    "attention": Template("attention", 1, _attention_knobs, attention_schedule, _attention_fits),
 }
 
 
@@ -2119,6 +2260,11 @@ def tunable_of(stages: list[StageInfo], target: Target) -> Tunable | None:
         return Tunable(template, row, None, template.knobs(row, target), target)
     if anchor is None:
         return None
+    attention = _attention_chain(kept)
+    if attention is not None:
+        template = TEMPLATES["attention"]
+        epilogue = _epilogue_of(attention, kept, inlined, stages)
+        return Tunable(template, attention, epilogue, template.knobs(attention, target), target)
     chained = _chained_depthwise(anchor, kept, inlined, stages)
     if chained is not None:
         template = TEMPLATES["conv2d_nchwc_chain"]
@@ -2152,6 +2298,21 @@ def _chained_depthwise(expand: StageInfo, kept: list[StageInfo], inlined: set[st
             notes["producer_epilogue"] = epilogue.name  # its last stage, kept (see above)
             return dataclasses.replace(s, notes=tuple(sorted(notes.items())))
     return None
+
+
+def _attention_chain(kept: list[StageInfo]) -> StageInfo | None:
+    """The second GEMM (Y = P V) of a group the attention pass joined (`fuse_attention`),
+    carrying the scores GEMM and the softmax it reads as its `scores` and `softmax` notes;
+    else None."""
+    gemms = [s for s in kept if s.note("panel") and s.reduce_axes]
+    softmax = next((s for s in kept if s.note("row_stages") and not s.output), None)
+    if len(gemms) != 2 or softmax is None:
+        return None
+    scores, y = gemms
+    if softmax.name not in y.reads:
+        return None
+    notes = {**dict(y.notes), "scores": scores, "softmax": softmax}
+    return dataclasses.replace(y, notes=tuple(sorted(notes.items())))
 
 
 def _stage_named(stages: list[StageInfo], name: str) -> StageInfo | None:

@@ -1,10 +1,12 @@
 """The one ordered pass pipeline. Each entry is (name, run); any stage can be dumped by name.
 
-Two passes depend on the target: the layout pass blocks channels by the target's vector width,
-and the 1x1 convs it leaves on plain data become MatMuls over their pixels. `pipeline(target)`
-binds the first and keeps both for CPU targets only (a GPU target keeps NCHW: threads of a
+Three passes depend on the target: the layout pass blocks channels by the target's vector width,
+the 1x1 convs it leaves on plain data become MatMuls over their pixels, and attention's two
+GEMMs and softmax join one kernel that computes a block of queries at a time. `pipeline(target)`
+binds the first and keeps all three for CPU targets only (a GPU target keeps NCHW: threads of a
 warp read consecutive positions of one channel, and channel blocks for vector registers are a
-CPU decision); every other pass is target-independent.
+CPU decision; its attention keeps three kernels, which the GPU templates schedule); every other
+pass is target-independent.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from compiler_core.passes import (
     eliminate_dead_code,
     eliminate_identity,
     fold_constants,
+    fuse_attention,
     fuse_operators,
     hoist_gathers,
     pointwise_matmul,
@@ -71,10 +74,11 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("pointwise_matmul", pointwise_matmul.run),
     ("clone_shared_views", clone_shared_views.run),
     ("fuse_operators", fuse_operators.run),
+    ("fuse_attention", fuse_attention.run),
 )
 
 # The passes a GPU target skips (its graph stays in NCHW, its convs as convs).
-CPU_ONLY: tuple[Pass, ...] = (transform_layout.run, pointwise_matmul.run)
+CPU_ONLY: tuple[Pass, ...] = (transform_layout.run, pointwise_matmul.run, fuse_attention.run)
 
 PASS_NAMES = tuple(name for name, _ in PIPELINE)
 

@@ -754,7 +754,14 @@ def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
     starts, extents = [], []
     for dim, size in enumerate(buffer.shape):
         spans = [_span(idx[dim], size, inner_ranges) for idx in accesses]
-        if not spans or any(s is None for s in spans) or len({str(s[0]) for s in spans}) > 1:
+        if spans and all(s is not None and isinstance(s[0], Const) for s in spans):
+            # Fixed spans (a row's whole vectors and the last one, at 181 of 197): their
+            # union, which a padded dimension (a GEMM's columns, past the row) exceeds.
+            low = min(int(s[0].value) for s in spans)
+            high = max(int(s[0].value) + s[1] for s in spans)
+            starts.append(Const(low, INDEX))
+            extents.append(min(high, size) - low)
+        elif not spans or any(s is None for s in spans) or len({str(s[0]) for s in spans}) > 1:
             starts.append(Const(0, INDEX))  # not affine, or several bases: the whole dimension
             extents.append(size)
         else:
