@@ -307,6 +307,33 @@ def test_compute_at_shrinks_a_stage_read_only_inside_the_loop():
     assert allocated["c"].scope == "local" and allocated["c"].shape == (1, N)
 
 
+def test_compute_at_computes_the_union_of_fixed_spans_not_a_padded_dimension():
+    """A row stage reads its producer's row as whole vectors (columns 0..15) and one last
+    vector ending at the row's end (4..19), of a producer padded to 24 columns (a GEMM's
+    panel): computed per row, the producer computes columns 0..19 only."""
+    from compiler_core.loop.ir import Allocate
+
+    a = te.placeholder((M, K), "float32", "a")
+    b = te.placeholder((K, 24), "float32", "b")
+    kk, r = te.reduce_axis(K, "kk"), te.reduce_axis(16, "r")
+    c = te.compute((M, 24), lambda i, j: te.reduce_sum(a[i, kk] * b[kk, j], kk), "c")
+    d = te.compute((M,), lambda i: te.reduce_sum(c[i, r] * c[i, r + 4], r), "d")
+    func = te.lower([a, b], [d], "rows")
+    scheduled = apply(func, [ComputeAt("c", "d_i0")])
+    allocated = {
+        s.buffer.name: s.buffer for s in walk_stmts(scheduled.body) if isinstance(s, Allocate)
+    }
+    assert allocated["c"].shape == (1, 20)
+    rng = np.random.default_rng(4)
+    args = {"a": rng.standard_normal((M, K)), "b": rng.standard_normal((K, 24))}
+    results = []
+    for f in (func, scheduled):
+        given = {k: v.astype(np.float32) for k, v in args.items()} | {"d": np.zeros(M, np.float32)}
+        interpreter.run(f, given)
+        results.append(given["d"])
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "schedule",
     [
