@@ -1781,9 +1781,8 @@ def _expand_register_tile(producer: StageInfo, nest: _ExpandNest) -> list[Record
 
 # --- attention: S = Q K^T, its row softmax and Y = P V in one kernel ---------------------------
 
-# The fewest query rows a block computes where the GEMM of its scores has enough rows to keep
-# the FMA pipes busy; and the most (its S tile's accumulators and a row of K^T's vectors must
-# fit the registers, as must Y's).
+# The most query rows a block offers (its rows are both GEMMs' register tile rows: with a
+# vector of columns and one of B, 16 rows are 17 of AVX-512's 32 registers).
 ATTENTION_MOST_ROWS = 16
 
 
@@ -1805,7 +1804,7 @@ def _attention_knobs(y: StageInfo, target: Target) -> tuple[Knob, ...]:
     keys, width = attention_softmax(y).shape[-1], y.shape[-1]
     lanes = target.vector_lanes
     s_nrs = tuple(n for n in (8, 16, 32, 48, 64) if n <= keys) or (keys,)
-    default_s_nr = min(2 * lanes, keys) if 2 * lanes <= keys else s_nrs[-1]
+    default_s_nr = 2 * lanes if 2 * lanes <= keys else s_nrs[-1]
     y_nrs = tuple(n for n in (4, 8, 16, 32, 48, 64) if n <= width and width % n == 0)
     default_y_nr = max((n for n in y_nrs if n <= 2 * lanes), default=y_nrs[0])
     rows = tuple(r for r in range(1, ATTENTION_MOST_ROWS + 1) if y.shape[-2] % r == 0)
@@ -1846,7 +1845,10 @@ def attention_schedule(
     scores, softmax = attention_scores(y), attention_softmax(y)
     rows = int(config["rows"])
     records: list[Record] = []
-    for gemm in (scores, y):  # K^T and V read where they are: each is a kernel input
+    # K^T and V read where they lie (kernel inputs, their rows contiguous; a panel's worth
+    # of columns past the keys clamped, which the block's tiles never reach), not packed by
+    # a pass over all heads before the blocks.
+    for gemm in (scores, y):
         if gemm.note("pack"):
             records.append(ComputeInline(gemm.note("pack")))
     rank = len(y.shape)
