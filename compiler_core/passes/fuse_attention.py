@@ -37,7 +37,10 @@ def run(graph: Graph) -> Graph:
             continue
         producer = graph.producers.get(softmax.inputs[0])
         readers = graph.consumers.get(softmax.outputs[0], ())
-        if producer is None or len(readers) != 1 or softmax.outputs[0] in graph.outputs:
+        scores_readers = graph.consumers.get(softmax.inputs[0], ())
+        if producer is None or len(readers) != 1 or len(scores_readers) != 1:
+            continue  # the scores or probabilities are read elsewhere (a qk output)
+        if softmax.outputs[0] in graph.outputs:
             continue
         scores, values = groups[group_of[producer.name]], groups[group_of[readers[0].name]]
         if _scores_group(graph, scores, producer) and _values_group(graph, values, softmax):
@@ -59,11 +62,12 @@ def run(graph: Graph) -> Graph:
 
 def _lone_softmax(graph: Graph, group: FusionGroup) -> Node | None:
     """The group's one node when it is a float32 Softmax over the last axis of a tensor of
-    rank 3 or more (heads of rows), with no empty-row rule."""
+    rank 3 or more (heads of rows); rows with no allowed key (`zero_empty_rows`, a mask
+    known at run time) change its expressions, not its stages."""
     if len(group.nodes) != 1:
         return None
     node = graph.node_by_name[group.nodes[0]]
-    if node.op != "Softmax" or node.attr("zero_empty_rows", 0):
+    if node.op != "Softmax":
         return None
     x = graph.types[node.inputs[0]]
     axis = node.attr("axis", -1)

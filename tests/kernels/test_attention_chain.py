@@ -40,6 +40,16 @@ def attention_op(batch, heads, queries, keys, size, **attrs):
     return make_model([node], inputs, [("y", FLOAT, q)], opset=23)
 
 
+def masked_attention_op(heads, queries, keys, size):
+    """The Attention operator with a boolean mask input [1, 1, queries, keys]."""
+    model = attention_op(1, heads, queries, keys, size)
+    model.graph.node[0].input.append("mask")
+    model.graph.input.append(
+        helper.make_tensor_value_info("mask", TensorProto.BOOL, [1, 1, queries, keys])
+    )
+    return model
+
+
 def spelled_out(heads, queries, keys, size, mask=None, dtype=FLOAT):
     """Attention as exporters write it: K transposed, Q K^T divided by sqrt(D), a float mask
     added (an input) or a constant boolean one applied with Where, Softmax, then P V."""
@@ -75,7 +85,10 @@ def feeds_of(model):
     for value in model.graph.input:
         shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
         array = rand(*shape)
-        if value.type.tensor_type.elem_type == TensorProto.DOUBLE:
+        if value.type.tensor_type.elem_type == TensorProto.BOOL:
+            array = array < 0.5  # about 70% of the keys allowed
+            array[..., 0] = True  # no row left empty (ORT's empty rows differ: see below)
+        elif value.type.tensor_type.elem_type == TensorProto.DOUBLE:
             array = array.astype(np.float64)
         feeds[value.name] = array
     return feeds
@@ -99,6 +112,8 @@ CASES = {
     "few_keys": lambda: attention_op(1, 2, 16, 6, 8),
     "head_size_24": lambda: attention_op(1, 2, 33, 50, 24),
     "float_mask": lambda: spelled_out(2, 30, 70, 16, mask="add"),
+    # A boolean mask known at run time: a row may allow no key (zero probabilities).
+    "runtime_boolean_mask": lambda: masked_attention_op(2, 30, 70, 16),
     "boolean_mask": lambda: spelled_out(2, 30, 70, 16, mask="where"),
     # A block's scores (16 rows of 6000 keys) outgrow the largest stack tile: computed in
     # the kernel's workspace buffer instead.
@@ -115,6 +130,20 @@ def test_attention_is_one_kernel_and_matches_onnxruntime(name):
     feeds = feeds_of(model)
     module = load(compiler_core.compile(model))
     assert_close_to_scale(module.run(feeds)["y"], ort_output(model, feeds), label=name)
+
+
+def test_a_row_whose_mask_allows_no_key_gives_zeros_in_the_chain():
+    """The spec's convention for a row with no allowed key (zero probabilities, so a zero
+    output row), against the reference executor on the imported graph."""
+    from compiler_core.reference.executor import run_graph
+
+    model = masked_attention_op(2, 30, 70, 16)
+    feeds = feeds_of(model)
+    feeds["mask"][0, 0, 3] = False  # query 3 of every head attends to nothing
+    got = load(compiler_core.compile(model)).run(feeds)["y"]
+    assert not got[0, :, 3].any()
+    expected = run_graph(import_model(model), feeds)["y"]
+    assert_close_to_scale(got, expected, label="empty row")
 
 
 def test_a_causal_attention_in_blocks_of_queries_is_one_kernel_a_block():
@@ -136,6 +165,14 @@ def exposed_probabilities():
     return model
 
 
+def exposed_scores():
+    """The scores are also read by another node: they must be written whole."""
+    model = spelled_out(2, 20, 30, 16)
+    model.graph.node.append(helper.make_node("Relu", ["scaled"], ["s_out"]))
+    model.graph.output.append(helper.make_tensor_value_info("s_out", FLOAT, [1, 2, 20, 30]))
+    return model
+
+
 def softmax_over_queries():
     model = spelled_out(2, 20, 20, 16)
     softmax = next(n for n in model.graph.node if n.op_type == "Softmax")
@@ -147,6 +184,7 @@ def softmax_over_queries():
     ("name", "model", "target"),
     [
         ("probabilities_read_elsewhere", exposed_probabilities, None),
+        ("scores_read_elsewhere", exposed_scores, None),
         ("softmax_not_over_keys", softmax_over_queries, None),
         ("float64", lambda: spelled_out(2, 20, 30, 16, dtype=TensorProto.DOUBLE), None),
         ("gpu_target", lambda: attention_op(1, 2, 20, 30, 16), "cuda -arch=sm_90"),
