@@ -482,6 +482,7 @@ CASES: dict[str, Case] = {
         ),
         matmul("vecmat_768", [768], [768, 3072], True, description="1-D input, dense layer"),
         attention("attention_vit", 12, 197, 64, description="ONNX Attention, ViT-B's 12 heads"),
+        attention("attention_1k", 12, 1024, 64, description="12 heads of 1024 tokens"),
         attention("attention_causal", 12, 256, 64, is_causal=1, description="causal, 256 tokens"),
         attention(
             "attention_gqa_prefill",
