@@ -3,11 +3,12 @@
 Attention has no kernel of its own: its parts have fast ones (the batched-GEMM template for
 Q K^T and P V, the row-softmax kernel, elementwise stages that fuse into the first GEMM's
 epilogue), where the fused kernel it had computed every stage as a generic loop nest (0.3
-GFLOP/s for 12 heads of 256 x 64, 430 times slower). So every Attention is spelled out here in
-the order the spec computes it:
+GFLOP/s for 12 heads of 256 x 64, 430 times slower); on CPU targets `fuse_attention` later
+joins the two GEMMs and the softmax into one kernel again, on those fast templates. So every
+Attention is spelled out here in the order the spec computes it:
 
     [3-D: split heads]  [KV cache: K = Concat(past K, K), V likewise: the present outputs]
-    [16-bit floats: cast to float32]  Q * scale
+    [16-bit floats: cast to float32]  (the scale on whichever of Q and K is transposed)
     [GQA: each K/V head's query heads stacked as rows: Q [B, kv heads, group x q_len, D]]
     S = Q K^T (few query rows: (K Q^T)^T)   [softcap: c * tanh(S / c)]   [float mask: S + M]
     S = Where(allowed, S, -inf)   (is_causal and the windows from position past + i, a
@@ -140,28 +141,30 @@ class _Rewriter(Decomposition):
         """{"raw": Q K^T scaled, "capped": soft-capped (the raw scores without a softcap)}.
 
         The spec scales Q and K by sqrt(scale) each, so that 16-bit products stay in range;
-        computed in float32 or float64 (16-bit inputs are cast first), Q alone takes the whole
-        scale, one multiply on the smaller side (a decode step's few query rows) instead of
-        one on every cached key as well.
+        computed in float32 or float64 (16-bit inputs are cast first), one operand takes the
+        whole scale: the one transposed first, in the same kernel (a copy bound by memory,
+        so the multiply costs nothing and Q needs no kernel of its own).
 
         The GEMM template reads B as [K, N], so one operand is transposed first, a kernel of
         its own: K (keys x head size values), or, as S^T = K Q^T, Q and then S^T (rows x
         (head size + keys)), whichever moves fewer values. A decode step's few rows take the
-        second (32 heads on 8 of 1024 keys: the key transpose was 0.136 of 0.27 ms)."""
+        second (32 heads on 8 of 1024 keys: the key transpose was 0.136 of 0.27 ms), and never
+        multiply the cached keys."""
         name, dtype = node.name, self.types[q].dtype
         _, _, rows, size = self.types[q].shape
         keys = self.types[k].shape[2]
         scale = node.attr("scale", None)
         scale = 1.0 / np.sqrt(size) if scale is None else scale
         factor = self.constant(np.asarray(scale, dtype), f"{name}_scale")
-        queries = self.emit("Mul", name, [q, factor])
         if rows * (size + keys) < keys * size:
-            queries = self.emit("Transpose", f"{name}_queries", [queries], perm=(0, 1, 3, 2))
+            queries = self.emit("Transpose", f"{name}_queries", [q], perm=(0, 1, 3, 2))
+            queries = self.emit("Mul", name, [queries, factor])
             flipped = self.emit("MatMul", f"{name}_scores", [k, queries])
             scores = self.emit("Transpose", f"{name}_scores", [flipped], perm=(0, 1, 3, 2))
         else:
             transposed = self.emit("Transpose", f"{name}_keys", [k], perm=(0, 1, 3, 2))
-            scores = self.emit("MatMul", f"{name}_scores", [queries, transposed])
+            transposed = self.emit("Mul", f"{name}_keys", [transposed, factor])
+            scores = self.emit("MatMul", f"{name}_scores", [q, transposed])
         softcap = node.attr("softcap", 0.0)
         if softcap <= 0:
             return {"raw": scores, "capped": scores}
