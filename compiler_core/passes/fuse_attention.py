@@ -4,7 +4,7 @@ Decomposed (`decompose_attention`, or as an exporter spells it), attention is a 
 that writes every head's scores, a row softmax that reads them and writes the probabilities,
 and a second GEMM that reads those: at 12 heads of 1024 keys, 50 MB written and read twice
 each, so the two GEMMs and the softmax wait on memory (12 heads of 64 at 1024 tokens ran
-1.37x ONNX Runtime's fused kernel on a Xeon; joined, 0.93x). Joined, the kernel computes a
+1.37x ONNX Runtime's fused kernel on a Xeon, 0.93x joined). The joined kernel computes a
 block of query rows at a time: their scores into a buffer of the thread's, the softmax over
 it in cache, then their rows of Y (`schedules.attention_schedule`), so the scores never
 leave L1/L2.
@@ -44,7 +44,7 @@ def run(graph: Graph) -> Graph:
             continue
         scores, values = groups[group_of[producer.name]], groups[group_of[readers[0].name]]
         if _scores_group(graph, scores, producer) and _values_group(graph, values, softmax):
-            merged[group_of[values.nodes[0]]] = (group_of[producer.name], k)
+            merged[group_of[readers[0].name]] = (group_of[producer.name], k)
     if not merged:
         return graph
     absorbed = {g for pair in merged.values() for g in pair}
