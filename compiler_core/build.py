@@ -231,18 +231,20 @@ def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:
     external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
     sizes = {value: graph.types[value].nbytes for k in kernels for value in k.outputs}
     steps = [(k.inputs, k.outputs) for k in kernels]
-    aliases = {**concat_aliases(graph), **view_aliases(graph)}
+    joins = _concat_joins(graph)
+    aliases = {**concat_aliases(graph, joins), **view_aliases(graph, joins)}
     return plan_buffers(steps, sizes, external, aliases=aliases)
 
 
-def view_aliases(graph: Graph) -> dict[str, tuple[str, int]]:
+def view_aliases(graph: Graph, joins=None) -> dict[str, tuple[str, int]]:
     """{view: (the value it views, 0)} for the groups that are one view op of an intermediate
     (`BYTE_VIEWS`): a view read by several kernels, or by a kernel that reads no fused
     producer (a GEMM's operand), is a group of its own, and a copy of it would move every
     byte through memory for nothing (ShuffleNet's pointwise convs as MatMuls read a reshape
-    of a value a residual Add reads too). Values a Concat joins in place are left to it."""
+    of a value a residual Add reads too). Values a Concat joins in place are left to it
+    (`joins`: `_concat_joins(graph)`, when the caller has them)."""
     external = set(graph.inputs) | set(graph.outputs) | set(graph.constants)
-    joins = _concat_joins(graph)
+    joins = _concat_joins(graph) if joins is None else joins
     in_joins = set(joins) | {joined for joined, _ in joins.values()}
     direct: dict[str, str] = {}
     for group in graph.groups:
@@ -261,10 +263,11 @@ def view_aliases(graph: Graph) -> dict[str, tuple[str, int]]:
     return aliases
 
 
-def concat_aliases(graph: Graph) -> dict[str, tuple[str, int]]:
+def concat_aliases(graph: Graph, joins=None) -> dict[str, tuple[str, int]]:
     """{operand: (the value it lives in, byte offset)} for the Concats joined in place
-    (`_concat_joins`), a join's operands inside the outermost join that holds it."""
-    direct = _concat_joins(graph)
+    (`joins`: `_concat_joins(graph)`, computed when not given), a join's operands inside the
+    outermost join that holds it."""
+    direct = _concat_joins(graph) if joins is None else joins
 
     def outermost(value: str) -> tuple[str, int]:
         joined, start = direct[value]
@@ -503,7 +506,8 @@ def build_kernels(
         raise ValueError(
             f"{problems[0]}: build a graph the pipeline fused (passes.pipeline.optimize)"
         )
-    in_place = {joined for joined, _ in _concat_joins(graph).values()} | set(view_aliases(graph))
+    joins = _concat_joins(graph)
+    in_place = {joined for joined, _ in joins.values()} | set(view_aliases(graph, joins))
     kernels = []
     for index, group in enumerate(graph.groups):
         override = (schedules or {}).get(group.name)

@@ -112,10 +112,10 @@ def build_gpu_graph(graph: Graph, target: Target, schedules=None) -> GpuModel:
     applied: dict[str, list[Record]] = {}
     aliases = view_aliases(graph)
     for index, group in enumerate(graph.groups):
-        view = graph.node_by_name[group.nodes[0]]  # an alias's group is that one view
-        if view.outputs[0] in aliases:
+        first = graph.node_by_name[group.nodes[0]]  # an alias's group is that one view
+        if first.outputs[0] in aliases:
             # A view that lives in the bytes it views: no launch, only its place in the plan.
-            steps.append(([view.inputs[0]], [view.outputs[0]]))
+            steps.append(([first.inputs[0]], [first.outputs[0]]))
             continue
         override = (schedules or {}).get(group.name)
         lowered, records, kernels, scratch = build_group_kernels(

@@ -714,21 +714,10 @@ def matmul_schedule(
         records += _pack_at(mm.note("pack"), len(batch_loops), batch_loops[-1])
     mr, nr = int(config["mr"]), int(config["nr"])
     rows, cols = _gemm_rows(mm)[0], mm.shape[-1]
-    tail = gemm_column_tail(cols, nr, target.vector_lanes)
     row_tiles = -(-rows // mr)
-    if tail:
-        # The batch loops stay outermost (the stage's own order) above both nests.
-        columns = SplitOverlap(j_loop, nr, tail)
-        records += [Reorder((j_loop, i_loop, k_loop)), columns]
-        in_tail = columns.in_tail
-        nests = [
-            _GemmNest(columns.outer, cols // nr, columns.inner, nr, i_loop, k_loop, ""),
-            _GemmNest(None, 1, columns.tail_loop, tail, in_tail(i_loop), in_tail(k_loop), "_t"),
-        ]
-    else:
-        whole = Split(j_loop, nr)
-        records.append(whole)
-        nests = [_GemmNest(whole.outer, cols // nr, whole.inner, nr, i_loop, k_loop, "")]
+    column_records, nests = _column_nests(i_loop, j_loop, k_loop, cols, nr, target)
+    records += column_records
+    tail = len(nests) > 1
     parallel: list[list[tuple[str, int]]] = []
     for nest in nests:
         row_tile = Split(nest.rows, mr)
@@ -762,6 +751,25 @@ def matmul_schedule(
     for tiles in parallel:  # the two nests side by side: each splits its own tiles
         records += _gemm_parallel(tiles, 0, config)
     return records
+
+
+def _column_nests(
+    i_loop: str, j_loop: str, k_loop: str, cols: int, nr: int, target: Target
+) -> tuple[list[Record], list[_GemmNest]]:
+    """A GEMM stage's columns in tiles of `nr`: the split, and its nests (the whole tiles',
+    and where nr does not divide the columns the tail tile's, `gemm_column_tail`)."""
+    tail = gemm_column_tail(cols, nr, target.vector_lanes)
+    if not tail:
+        whole = Split(j_loop, nr)
+        return [whole], [_GemmNest(whole.outer, cols // nr, whole.inner, nr, i_loop, k_loop, "")]
+    # The batch loops stay outermost (the stage's own order) above both nests.
+    columns = SplitOverlap(j_loop, nr, tail)
+    in_tail = columns.in_tail
+    nests = [
+        _GemmNest(columns.outer, cols // nr, columns.inner, nr, i_loop, k_loop, ""),
+        _GemmNest(None, 1, columns.tail_loop, tail, in_tail(i_loop), in_tail(k_loop), "_t"),
+    ]
+    return [Reorder((j_loop, i_loop, k_loop)), columns], nests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1856,10 +1864,12 @@ def attention_schedule(
     ((y_k, _),) = y.reduce_axes
     width, y_nr = y.shape[-1], int(config["y_nr"])
     block = Split(y.loop(rank - 2), rows)
-    columns = Split(y.loop(rank - 1), y_nr)
-    nest = _GemmNest(columns.outer, width // y_nr, columns.inner, y_nr, y.loop(rank - 2), y_k, "")
-    records.append(columns)
-    records += _gemm_tile(y, nest, block, [block.outer, columns.outer], target)
+    # y_nr divides the head size: one nest of whole tiles.
+    column_records, (nest,) = _column_nests(
+        y.loop(rank - 2), y.loop(rank - 1), y_k, width, y_nr, target
+    )
+    records += column_records
+    records += _gemm_tile(y, nest, block, [block.outer, nest.column_tiles], target)
     if epilogue is not None:
         records.append(ReverseComputeInline(epilogue.name))
     # The softmax (its output first, then the statistics it reads, last to first) and the
@@ -1886,20 +1896,12 @@ def _block_scores(
     rank = len(scores.shape)
     i_loop, j_loop = at.moved(scores.loop(rank - 2)), at.moved(scores.loop(rank - 1))
     ((k_loop, _),) = scores.reduce_axes
-    tail = gemm_column_tail(keys, nr, target.vector_lanes)
-    row_tile = Split(i_loop, rows)
-    if not tail:
-        whole = Split(j_loop, nr)
-        nest = _GemmNest(whole.outer, keys // nr, whole.inner, nr, i_loop, k_loop, "")
-        return [whole, *_gemm_tile(scores, nest, row_tile, [row_tile.outer, whole.outer], target)]
-    split = SplitOverlap(j_loop, nr, tail)
-    in_tail = split.in_tail
-    records: list[Record] = [Reorder((j_loop, i_loop, k_loop)), split]
-    main = _GemmNest(split.outer, keys // nr, split.inner, nr, i_loop, k_loop, "")
-    records += _gemm_tile(scores, main, row_tile, [split.outer, row_tile.outer], target)
-    last = _GemmNest(None, 1, split.tail_loop, tail, in_tail(i_loop), in_tail(k_loop), "_t")
-    tail_rows = Split(in_tail(i_loop), rows)
-    return records + _gemm_tile(scores, last, tail_rows, [tail_rows.outer], target)
+    records, nests = _column_nests(i_loop, j_loop, k_loop, keys, nr, target)
+    for nest in nests:
+        row_tile = Split(nest.rows, rows)  # the block's rows: one tile
+        tiles = [row_tile.outer, *([nest.column_tiles] if nest.column_tiles else [])]
+        records += _gemm_tile(scores, nest, row_tile, tiles, target)
+    return records
 
 
 def _block_softmax(softmax: StageInfo, at: Mapping[str, ComputeAt], target: Target) -> list[Record]:

@@ -739,10 +739,11 @@ def _span(index: Expr, size: int, inner_ranges: dict[str, int]):
 
 
 def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
-    """(start expressions, extents) of `buffer` touched inside `loop`, per dimension. A
-    region that moves with the outer loops keeps its whole extent even where it is wider
-    than the dimension: a tile of rows and its halo, whose ends past the edges are computed
-    under guards (`compute_at`) and never read."""
+    """(start expressions, extents) of `buffer` touched inside `loop`, per dimension: the
+    union of fixed spans, cut to the dimension; one moving span (the same base in every
+    access), which keeps its whole extent even where it is wider than the dimension (a tile
+    of rows and its halo, whose ends past the edges are computed under guards, `compute_at`,
+    and never read); else the whole dimension."""
     accesses: list[tuple[Expr, ...]] = []
     for stmt in walk_stmts(loop.body):
         if isinstance(stmt, Store) and stmt.buffer == buffer:
@@ -766,8 +767,7 @@ def _region(loop: For, buffer: Buffer, inner_ranges: dict[str, int]):
             extents.append(size)
         else:
             starts.append(spans[0][0])
-            widest = max(s[1] for s in spans)
-            extents.append(min(widest, size) if isinstance(spans[0][0], Const) else widest)
+            extents.append(max(s[1] for s in spans))
     return starts, extents
 
 
