@@ -112,9 +112,9 @@ def _terms(e: Expr) -> tuple[dict[Expr, int], int]:
         return {t: c for t, c in terms.items() if c}, ka + sign * kb
     if isinstance(e, Binary) and e.dtype == INDEX and e.op == "mul":
         for scale, rest in ((e.a, e.b), (e.b, e.a)):
-            if _is_index_const(scale):
+            scale_terms, c = _terms(scale)
+            if not scale_terms:  # a constant, literal or not
                 terms, constant = _terms(rest)
-                c = int(scale.value)
                 return {t: c * k for t, k in terms.items() if c * k}, c * constant
     return {e: 1}, 0
 
@@ -147,7 +147,7 @@ def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
     """(d*A + B) // d -> A + B // d and (d*A + B) % d -> B % d for any index terms A (floor
     division and modulo ignore whole multiples of the divisor whatever the sign), and further
     B // d -> 0, B % d -> B where the loop ranges hold B in [0, d), B a sum of loop variables
-    and their floor divisions and modulos by constants (`_terms_range`); else a lane beside a
+    and their floor divisions and modulos by constants (`value_range`); else a lane beside a
     block index (`_divmod_by_common_factor`). What split, fuse and reshape leave behind: a
     packed layout's (c*A + B) // c is A; [1, 136, 28, 28] read as [4, 34, 784] reads row
     (952*g + 28*c + p // 28) % 28, which is p // 28 for p < 784 (left as it was, the address
@@ -163,7 +163,7 @@ def _divmod_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:
     rest = {t: c for t, c in terms.items() if c % divisor}
     q0, r0 = divmod(constant, divisor)
     remainder = _sum_of_terms(rest, r0)
-    span = _terms_range(remainder, ranges)
+    span = value_range(remainder, ranges)
     if span is not None and span[0] >= 0 and span[1] < divisor:
         return remainder if e.op == "mod" else _sum_of_terms(whole, q0)
     common = _divmod_by_common_factor(e, ranges)
@@ -209,27 +209,13 @@ def _divmod_by_common_factor(e: Binary, ranges: Mapping[str, int]) -> Expr | Non
     return None
 
 
-def _terms_range(e: Expr, ranges: Mapping[str, int]) -> tuple[int, int] | None:
-    """(least, greatest) value of a sum of loop variables and their floor divisions and
-    modulos by positive constants (nested), each variable over 0..extent-1; else None."""
-    terms, constant = _terms(e)
-    low = high = constant
-    for t, c in terms.items():
-        span = _term_range(t, ranges)
-        if span is None:
-            return None
-        ends = (c * span[0], c * span[1])
-        low, high = low + min(ends), high + max(ends)
-    return low, high
-
-
 def _term_range(t: Expr, ranges: Mapping[str, int]) -> tuple[int, int] | None:
     if isinstance(t, Var):
         return (0, ranges[t.name] - 1) if t.name in ranges else None
     if not (isinstance(t, Binary) and t.op in ("floordiv", "mod") and _is_index_const(t.b)):
         return None
     divisor = int(t.b.value)
-    inner = _terms_range(t.a, ranges) if divisor > 0 else None
+    inner = value_range(t.a, ranges) if divisor > 0 else None
     if inner is None:
         return None
     if t.op == "floordiv":
@@ -255,14 +241,19 @@ def _sum_of_terms(terms: Mapping[Expr, int], constant: int) -> Expr:
 
 
 def value_range(e: Expr, ranges: Mapping[str, int]) -> tuple[int, int] | None:
-    """(least, greatest) value of an affine `e` when every variable runs over 0..extent-1;
-    None when `e` is not affine or reads a variable without a range."""
-    form = affine(e)
-    if form is None or any(name not in ranges for name in form[0]):
-        return None
-    coeffs, constant = form
-    spans = [c * (ranges[name] - 1) for name, c in coeffs.items()]
-    return constant + sum(min(0, s) for s in spans), constant + sum(max(0, s) for s in spans)
+    """(least, greatest) value of `e` when every variable runs over 0..extent-1, for a sum of
+    loop variables and their floor divisions and modulos by positive constants (nested: a
+    fused or reshaped index); None for any other term (a product of variables) or a variable
+    without a range."""
+    terms, constant = _terms(e)
+    low = high = constant
+    for t, c in terms.items():
+        span = _term_range(t, ranges)
+        if span is None:
+            return None
+        ends = (c * span[0], c * span[1])
+        low, high = low + min(ends), high + max(ends)
+    return low, high
 
 
 def _decided_by_ranges(e: Expr, ranges: Mapping[str, int]) -> Expr | None:

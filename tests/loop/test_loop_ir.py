@@ -261,6 +261,30 @@ def test_loop_ranges_decide_clamps_and_comparisons():
     )
 
 
+def test_value_range_bounds_fused_indices_and_decides_their_clamps():
+    """One range for every index the simplifier reads: affine sums, and the floor divisions
+    and modulos that fuse and reshape leave (a fused loop f over 6 x 32 read back as its
+    row f // 32 and column f % 32), nested; nothing for a product of variables."""
+    from compiler_core.loop.ir import Binary
+    from compiler_core.loop.simplify import value_range
+
+    f, o = Var("f"), Var("o")
+    ranges = {"f": 192, "o": 4}
+    row, column = Binary("floordiv", f, Const(32, INDEX)), Binary("mod", f, Const(32, INDEX))
+    assert value_range(o * 32 + Const(5, INDEX), ranges) == (5, 101)
+    assert value_range(o * -2, ranges) == (-6, 0)
+    assert value_range(row * 64 + column, ranges) == (0, 351)
+    assert value_range(Binary("floordiv", row, Const(2, INDEX)), ranges) == (0, 2)
+    assert value_range(Binary("mul", Const(2, INDEX) + Const(1, INDEX), o), ranges) == (0, 9)
+    assert value_range(o * f, ranges) is None
+    assert value_range(Var("n") + o, ranges) is None
+    # The row of a fused index never reaches 6: the clamp a tile left goes.
+    assert simplify_expr(Binary("min", row, Const(6, INDEX)), ranges) == row
+    exact = [Binary("lt", column, Const(32, INDEX)), Binary("lt", row, Const(5, INDEX))]
+    assert simplify_expr(exact[0], ranges) == Const(True, "bool")
+    assert simplify_expr(exact[1], ranges).op == "lt"  # row 5 is reached: undecided
+
+
 def test_a_split_index_joined_again_simplifies_to_itself():
     """(x // 32) * 32 + x % 32 == x: a packing stage's panel and lane, inlined into the tail
     tile of the GEMM that reads it, whose range does not resolve them."""
