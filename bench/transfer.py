@@ -29,7 +29,11 @@ and in a replay, where the optimum L* (every task at its fastest config) is know
 - optimum: the first t with L(t) <= L(0) - 0.95 (L(0) - L*);
 and the share of that gain, (L(0) - L(t)) / (L(0) - L*), each session holds after
 CHECKPOINTS trials (`captured`). Issue 9 asks the warm session to get there in at most half
-the cold one's trials.
+the cold one's trials. A replay also reads each task's gain (its default over its table's
+fastest config) against its table's own noise (`task_gains`: how far the repeated timings of
+one config spread), and says what share of the spaces' gain lies in tasks whose gain is
+within it: a gain that repeated timings of one config cover is the luck of a measurement,
+which no search, warm or cold, can learn to find.
 
 Replay (`--tables DIR`): live sessions take 3-4 minutes a seed and see the machine drift, so
 a change to the search reads through the noise only over many seeds. `--measure` times every
@@ -69,7 +73,7 @@ from bench.search import (
 from compiler_core.autotune.measure import Measurer
 from compiler_core.autotune.records import FileLog, TuningRecord
 from compiler_core.autotune.search import Tuner, config_features
-from compiler_core.autotune.tasks import Task, extract_tasks
+from compiler_core.autotune.tasks import Task, config_key, extract_tasks
 from compiler_core.compiler import COMPILER_VERSION
 from compiler_core.frontend.onnx import import_model
 from compiler_core.passes.pipeline import optimize
@@ -260,6 +264,9 @@ def main() -> None:
     for reading in report["seeds"][0]["readings"] if report["seeds"] else ():
         print(f"{reading}: warm/cold trials, median over seeds {median_ratio(report, reading)}")
     print_captured(report)
+    if args.tables:
+        report["tasks"] = task_gains(tasks, args.tables)
+        print_task_gains(report["tasks"])
     args.json.write_text(json.dumps(report, indent=1))
     print(f"results: {args.json}")
 
@@ -326,6 +333,68 @@ def print_captured(report: dict) -> None:
         shares = [statistics.median(s[kind][k] for s in seeds) for k in range(len(CHECKPOINTS))]
         readings = zip(CHECKPOINTS, shares, strict=True)
         print(f"  {kind}: " + "  ".join(f"t={t} {v:.2f}" for t, v in readings))
+
+
+def task_gains(tasks: list[Task], folder: Path) -> list[dict]:
+    """Each task's gain in its measured table against the table's noise (`task_gain`)."""
+    fingerprint = host_target().fingerprint
+    return [
+        task_gain(slug, task, FileLog(folder / f"{slug}.jsonl").records(task.key, fingerprint))
+        for slug, task in table_slugs(tasks).items()
+    ]
+
+
+def task_gain(slug: str, task: Task, records: list[TuningRecord]) -> dict:
+    """A task's `gain` (its default's cost over its fastest config's, less 1, each config at
+    its fastest timing) and its table's `noise`: over the configs timed at least three times
+    (the default and the fastest, re-timed by `--measure`), the median of how far a config's
+    median timing lies above its fastest. None where no config was timed that often."""
+    timings: dict[str, list[float]] = {}
+    for record in records:
+        if record.ok:
+            timings.setdefault(record.config_key, []).append(record.cost)
+    fastest = {key: min(costs) for key, costs in timings.items()}
+    default, best = fastest[config_key(task.default_config())], min(fastest.values())
+    spreads = [
+        statistics.median(costs) / min(costs) - 1 for costs in timings.values() if len(costs) >= 3
+    ]
+    return {
+        "task": slug,
+        "weight": task.weight,
+        "default_us": default * 1e6,
+        "best_us": best * 1e6,
+        "gain": default / best - 1,
+        "noise": statistics.median(spreads) if spreads else None,
+    }
+
+
+def gain_within_noise(rows: list[dict]) -> float | None:
+    """The share of the spaces' gain (occurrences x (default - best), summed over the tasks)
+    that lies in tasks whose gain is no larger than their table's noise; None without gain."""
+    saved = {row["task"]: row["weight"] * (row["default_us"] - row["best_us"]) for row in rows}
+    total = sum(saved.values())
+    if total <= 0:
+        return None
+    noisy = (r for r in rows if r["noise"] is not None and r["gain"] <= r["noise"])
+    return sum(saved[row["task"]] for row in noisy) / total
+
+
+def print_task_gains(rows: list[dict]) -> None:
+    """Where the spaces' gain lies, the heaviest first, each task against its table's noise."""
+    total = sum(r["weight"] * (r["default_us"] - r["best_us"]) for r in rows)
+    print("the spaces' gain by task (default over best, against repeated timings' spread):")
+    for row in sorted(rows, key=lambda r: -r["weight"] * (r["default_us"] - r["best_us"])):
+        saved = row["weight"] * (row["default_us"] - row["best_us"])
+        if saved <= 0:
+            continue
+        noise = f"{row['noise']:.1%}" if row["noise"] is not None else "-"
+        print(
+            f"  {row['task']}: x{row['weight']} {row['default_us']:.1f} -> {row['best_us']:.1f} us"
+            f" (gain {row['gain']:.1%}, noise {noise}), {saved / total:.0%} of the spaces' gain"
+        )
+    share = gain_within_noise(rows)
+    if share is not None:
+        print(f"  {share:.0%} of the spaces' gain lies in tasks whose gain is within their noise")
 
 
 def trials_ratio(trials: dict) -> float | None:

@@ -133,3 +133,35 @@ def test_a_replay_reads_the_share_of_the_spaces_gain_each_session_holds(bench_tr
     row = bench_transfer.seed_report(0, curve, [10.0, 8.0, 7.0], optimum=6.0)
     assert row["captured"]["warm"][0] == 0.75  # fewer trials than the first checkpoint
     assert len(row["captured"]["cold"]) == len(bench_transfer.CHECKPOINTS)
+
+
+def test_a_replay_reads_each_tasks_gain_against_its_tables_noise(bench_transfer):
+    """bench.transfer: a task's gain is its default over its fastest config (each config at
+    its fastest timing), its noise how far a config timed three times or more spreads (the
+    median of median / fastest - 1); the spaces' gain held by tasks whose gain the noise
+    covers is reported as such."""
+    task = tasks_of(dense_model())[0]
+    default, other = (
+        task.default_config(),
+        next(c for c in task.space() if c != task.default_config()),
+    )
+
+    def table(default_costs, other_costs, key):
+        workload = dataclasses.replace(task, key=key)
+        return [
+            measured_record(workload, config, Result(costs=(cost,)), HOST)
+            for config, costs in ((default, default_costs), (other, other_costs))
+            for cost in costs
+        ]
+
+    # The default re-timed at 100-104 us (median 3% over its fastest), the other 99 us once.
+    noisy = bench_transfer.task_gain("noisy", task, table([100e-6, 103e-6, 104e-6], [99e-6], "a"))
+    assert noisy["gain"] == pytest.approx(100 / 99 - 1) and noisy["noise"] == pytest.approx(0.03)
+    clear = bench_transfer.task_gain("clear", task, table([100e-6] * 3, [80e-6, 80e-6, 81e-6], "b"))
+    assert clear["gain"] == pytest.approx(0.25) and clear["noise"] == pytest.approx(0.0)
+    once = bench_transfer.task_gain("once", task, table([100e-6], [90e-6], "c"))
+    assert once["noise"] is None  # nothing timed three times: no reading of the noise
+    rows = [noisy, clear, once]
+    # Saved (weight 1): 1, 20 and 10 us; only the first lies within its noise.
+    assert bench_transfer.gain_within_noise(rows) == pytest.approx(1 / 31)
+    assert bench_transfer.gain_within_noise([dict(clear, best_us=100.0)]) is None
