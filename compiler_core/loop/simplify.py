@@ -111,10 +111,9 @@ def _terms(e: Expr) -> tuple[dict[Expr, int], int]:
             terms[t] = terms.get(t, 0) + sign * c
         return {t: c for t, c in terms.items() if c}, ka + sign * kb
     if isinstance(e, Binary) and e.dtype == INDEX and e.op == "mul":
-        for scale, rest in ((e.a, e.b), (e.b, e.a)):
-            scale_terms, c = _terms(scale)
-            if not scale_terms:  # a constant, literal or not
-                terms, constant = _terms(rest)
+        left, right = _terms(e.a), _terms(e.b)
+        for (scale_terms, c), (terms, constant) in ((left, right), (right, left)):
+            if not scale_terms:  # a constant factor, literal or not
                 return {t: c * k for t, k in terms.items() if c * k}, c * constant
     return {e: 1}, 0
 
