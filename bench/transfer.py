@@ -371,20 +371,24 @@ def task_gain(slug: str, task: Task, records: list[TuningRecord]) -> dict:
 def gain_within_noise(rows: list[dict]) -> float | None:
     """The share of the spaces' gain (occurrences x (default - best), summed over the tasks)
     that lies in tasks whose gain is no larger than their table's noise; None without gain."""
-    saved = {row["task"]: row["weight"] * (row["default_us"] - row["best_us"]) for row in rows}
-    total = sum(saved.values())
+    total = sum(map(_saved_us, rows))
     if total <= 0:
         return None
     noisy = (r for r in rows if r["noise"] is not None and r["gain"] <= r["noise"])
-    return sum(saved[row["task"]] for row in noisy) / total
+    return sum(map(_saved_us, noisy)) / total
+
+
+def _saved_us(row: dict) -> float:
+    """Microseconds of a model run a task's best config saves over its default."""
+    return row["weight"] * (row["default_us"] - row["best_us"])
 
 
 def print_task_gains(rows: list[dict]) -> None:
     """Where the spaces' gain lies, the heaviest first, each task against its table's noise."""
-    total = sum(r["weight"] * (r["default_us"] - r["best_us"]) for r in rows)
+    total = sum(map(_saved_us, rows))
     print("the spaces' gain by task (default over best, against repeated timings' spread):")
-    for row in sorted(rows, key=lambda r: -r["weight"] * (r["default_us"] - r["best_us"])):
-        saved = row["weight"] * (row["default_us"] - row["best_us"])
+    for row in sorted(rows, key=_saved_us, reverse=True):
+        saved = _saved_us(row)
         if saved <= 0:
             continue
         noise = f"{row['noise']:.1%}" if row["noise"] is not None else "-"

@@ -236,7 +236,9 @@ def plan_memory(graph: Graph, kernels: Sequence[GroupKernel]) -> MemoryPlan:
     return plan_buffers(steps, sizes, external, aliases=aliases)
 
 
-def view_aliases(graph: Graph, joins=None) -> dict[str, tuple[str, int]]:
+def view_aliases(
+    graph: Graph, joins: Mapping[str, tuple[str, int]] | None = None
+) -> dict[str, tuple[str, int]]:
     """{view: (the value it views, 0)} for the groups that are one view op of an intermediate
     (`BYTE_VIEWS`): a view read by several kernels, or by a kernel that reads no fused
     producer (a GEMM's operand), is a group of its own, and a copy of it would move every
@@ -263,7 +265,9 @@ def view_aliases(graph: Graph, joins=None) -> dict[str, tuple[str, int]]:
     return aliases
 
 
-def concat_aliases(graph: Graph, joins=None) -> dict[str, tuple[str, int]]:
+def concat_aliases(
+    graph: Graph, joins: Mapping[str, tuple[str, int]] | None = None
+) -> dict[str, tuple[str, int]]:
     """{operand: (the value it lives in, byte offset)} for the Concats joined in place
     (`joins`: `_concat_joins(graph)`, computed when not given), a join's operands inside the
     outermost join that holds it."""

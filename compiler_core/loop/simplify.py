@@ -384,6 +384,6 @@ def bounds(e: Expr, ranges: Mapping[str, int]) -> tuple[Expr, int] | None:
 
 
 def max_value(e: Expr, ranges: Mapping[str, int]) -> int | None:
-    """The largest value of an affine `e` when every variable runs over 0..extent-1."""
+    """The largest value of `e` when every variable runs over 0..extent-1 (`value_range`)."""
     span = value_range(e, ranges)
     return None if span is None else span[1]
